@@ -1,0 +1,150 @@
+//! How to cut the KV sequence into splits.
+//!
+//! Decode attention has one query row per head, so the only parallelism is over
+//! `(batch, kv head)` pairs. When there are fewer pairs than the hardware can run at once, the KV
+//! sequence is cut into contiguous chunks ("splits") that run in parallel and are merged afterwards
+//! through their log-sum-exps. The same plan drives the CPU (workers = threads) and CUDA
+//! (workers = resident CTAs over all SMs) paths.
+
+/// Chunks never get shorter than this: below it the per-split fixed cost (setup, partial write,
+/// merge) outweighs the parallelism gained.
+pub const MIN_CHUNK: usize = 256;
+
+/// Chunk lengths are rounded up to a multiple of this, so that every split but the last streams
+/// whole tiles.
+pub const CHUNK_ALIGN: usize = 64;
+
+/// Upper bound on the number of splits, which bounds the scratch buffer.
+pub const MAX_SPLITS: usize = 256;
+
+/// The result of [`plan`]: `num_splits` chunks of `chunk_size` positions each, the last one
+/// possibly shorter. `num_splits * chunk_size >= seq_len`, and no split is entirely empty unless
+/// `seq_len == 0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SplitPlan {
+    pub num_splits: usize,
+    pub chunk_size: usize,
+}
+
+/// Chooses a split count for `batch * kv_heads` independent units over `seq_len` positions on
+/// hardware that runs `parallel_slots` units at once.
+///
+/// - No split when the units alone fill the slots, or when the sequence is at most one chunk.
+/// - Otherwise enough splits to fill the slots, with chunks of at least [`MIN_CHUNK`] positions,
+///   rounded to [`CHUNK_ALIGN`], and at most [`MAX_SPLITS`] splits.
+pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize) -> SplitPlan {
+    let units = (batch * kv_heads).max(1);
+    let slots = parallel_slots.max(1);
+    if seq_len <= MIN_CHUNK || units >= slots {
+        return SplitPlan {
+            num_splits: 1,
+            chunk_size: seq_len.max(1),
+        };
+    }
+    let wanted = slots.div_ceil(units).min(MAX_SPLITS);
+    chunked(seq_len, wanted)
+}
+
+/// The plan for a split count forced by the caller: `num_splits` is clamped to what the sequence
+/// allows (at least one position per split), and the chunk size follows.
+pub fn forced(seq_len: usize, num_splits: usize) -> SplitPlan {
+    let splits = num_splits.clamp(1, seq_len.max(1));
+    let chunk_size = seq_len.div_ceil(splits).max(1);
+    SplitPlan {
+        num_splits: seq_len.div_ceil(chunk_size).max(1),
+        chunk_size,
+    }
+}
+
+fn chunked(seq_len: usize, wanted_splits: usize) -> SplitPlan {
+    let chunk = seq_len.div_ceil(wanted_splits).max(MIN_CHUNK);
+    let chunk_size = chunk.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
+    let num_splits = seq_len.div_ceil(chunk_size);
+    if num_splits > MAX_SPLITS {
+        return chunked(seq_len, MAX_SPLITS);
+    }
+    SplitPlan {
+        num_splits,
+        chunk_size,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn covers(p: SplitPlan, seq_len: usize) {
+        assert!(p.num_splits >= 1);
+        assert!(p.num_splits * p.chunk_size >= seq_len, "{p:?} does not cover {seq_len}");
+        if seq_len > 0 {
+            assert!(
+                (p.num_splits - 1) * p.chunk_size < seq_len,
+                "{p:?} has an empty split for {seq_len}"
+            );
+        }
+    }
+
+    #[test]
+    fn short_sequences_are_not_split() {
+        for l in [0, 1, 2, 255, 256] {
+            let p = plan(1, 1, l, 132);
+            assert_eq!(p.num_splits, 1);
+            covers(p, l);
+        }
+    }
+
+    #[test]
+    fn full_card_is_not_split() {
+        let p = plan(64, 8, 131072, 264);
+        assert_eq!(p.num_splits, 1);
+        assert_eq!(p.chunk_size, 131072);
+    }
+
+    #[test]
+    fn long_single_sequence_fills_the_slots() {
+        let p = plan(1, 8, 131072, 264);
+        assert_eq!(p.num_splits, 33);
+        assert_eq!(p.chunk_size % CHUNK_ALIGN, 0);
+        covers(p, 131072);
+        assert!(8 * p.num_splits >= 264);
+    }
+
+    #[test]
+    fn chunks_respect_the_minimum() {
+        let p = plan(1, 1, 1000, 1000);
+        assert!(p.chunk_size >= MIN_CHUNK);
+        covers(p, 1000);
+    }
+
+    #[test]
+    fn splits_are_capped() {
+        let p = plan(1, 1, 10_000_000, 100_000);
+        assert!(p.num_splits <= MAX_SPLITS);
+        covers(p, 10_000_000);
+    }
+
+    #[test]
+    fn every_plan_covers_its_sequence() {
+        for b in [1, 2, 3, 16] {
+            for h in [1, 2, 3, 8, 32] {
+                for l in [1, 7, 257, 4097, 50000, 131072] {
+                    for slots in [1, 2, 8, 132, 528] {
+                        covers(plan(b, h, l, slots), l);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn forced_plans_cover_and_clamp() {
+        for l in [1, 2, 255, 256, 257, 4097] {
+            for n in 1..=64 {
+                let p = forced(l, n);
+                covers(p, l);
+                assert!(p.num_splits <= n.max(1));
+            }
+        }
+        assert_eq!(forced(0, 5).num_splits, 1);
+    }
+}

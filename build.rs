@@ -18,7 +18,14 @@ fn main() {
 }
 
 fn build_kernels() -> Result<(), String> {
-    for var in ["NVCC", "CUDA_ROOT", "CUDA_HOME", "CUDA_PATH", "CUDA_COMPUTE_CAP", "PATH"] {
+    for var in [
+        "NVCC",
+        "CUDA_ROOT",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "CUDA_COMPUTE_CAP",
+        "PATH",
+    ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let kernel_dir = Path::new("kernels");
@@ -91,9 +98,11 @@ fn find_nvcc() -> Result<PathBuf, String> {
             }
         }
     }
-    Err("nvcc not found; set NVCC or CUDA_ROOT, or run scripts/cuda-toolkit.sh and export \
+    Err(
+        "nvcc not found; set NVCC or CUDA_ROOT, or run scripts/cuda-toolkit.sh and export \
          what it prints"
-        .into())
+            .into(),
+    )
 }
 
 /// `CUDA_COMPUTE_CAP` (e.g. 80 or 90), else the first GPU that nvidia-smi reports.
@@ -121,7 +130,9 @@ fn compute_cap() -> Result<String, String> {
             }
         }
     }
-    Err("no GPU found by nvidia-smi to pick the target; set CUDA_COMPUTE_CAP (80 for A100, \
+    Err(
+        "no GPU found by nvidia-smi to pick the target; set CUDA_COMPUTE_CAP (80 for A100, \
          90 for H100/H200)"
-        .into())
+            .into(),
+    )
 }

@@ -101,8 +101,7 @@ pub fn decode<T: Element>(inputs: &DecodeInputs<'_, T>, plan: SplitPlan) -> (Vec
             let (batch, q_head) = (row / dims.q_heads, row % dims.q_heads);
             let (kv_head, member) = (q_head / group, q_head % group);
             let first_task = (batch * dims.kv_heads + kv_head) * plan.num_splits;
-            let split_lse =
-                |s: usize| partial_lse[(first_task + s) * group + member];
+            let split_lse = |s: usize| partial_lse[(first_task + s) * group + member];
             let split_out = |s: usize| {
                 let start = ((first_task + s) * group + member) * d;
                 &partial_out[start..start + d]

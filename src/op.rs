@@ -3,9 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor,
-};
+use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
 use crate::cpu::{self, DecodeInputs, Element};
 use crate::plan::{self, SplitPlan};
@@ -31,6 +29,10 @@ pub struct SplitKvAttention {
     /// Optional u32 `(batch,)` lengths: positions at or past `seqlens_k[b]` are ignored.
     pub seqlens_k: Option<Tensor>,
     lse_slot: Option<LseSlot>,
+    /// Test hook: fill the output and scratch with NaN before the kernels run, so that any
+    /// element they fail to write shows up.
+    #[doc(hidden)]
+    pub poison_scratch: bool,
 }
 
 impl SplitKvAttention {
@@ -41,6 +43,7 @@ impl SplitKvAttention {
             num_splits: None,
             seqlens_k: None,
             lse_slot: None,
+            poison_scratch: false,
         }
     }
 
@@ -82,6 +85,21 @@ impl SplitKvAttention {
         match lse {
             Some(lse) => Ok((out, lse)),
             None => bail!("split-kv attention: the backend did not produce an LSE"),
+        }
+    }
+
+    /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice, or
+    /// the forced count clamped to the sequence.
+    pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
+        let dims = validate::check_tensors(q, k, k)?;
+        match q.device() {
+            Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots())),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => crate::cuda::split_plan(self, dev, q.dtype(), &dims),
+            other => bail!(
+                "split-kv attention: no split plan for device {:?}",
+                other.location()
+            ),
         }
     }
 
@@ -129,7 +147,7 @@ impl SplitKvAttention {
         (v, v_layout): (&[T], &Layout),
     ) -> Result<Vec<T>> {
         let seqlens = self.cpu_seqlens(&dims)?;
-        let slots = 4 * rayon::current_num_threads();
+        let slots = cpu_parallel_slots();
         let inputs = DecodeInputs {
             q,
             q_strides: RowStrides::of(q_layout),
@@ -145,6 +163,11 @@ impl SplitKvAttention {
         self.deliver_lse(|| Tensor::from_vec(lse, (dims.batch, dims.q_heads, 1), &Device::Cpu))?;
         Ok(out)
     }
+}
+
+/// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
+fn cpu_parallel_slots() -> usize {
+    4 * rayon::current_num_threads()
 }
 
 impl CustomOp3 for SplitKvAttention {

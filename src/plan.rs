@@ -75,7 +75,10 @@ mod tests {
 
     fn covers(p: SplitPlan, seq_len: usize) {
         assert!(p.num_splits >= 1);
-        assert!(p.num_splits * p.chunk_size >= seq_len, "{p:?} does not cover {seq_len}");
+        assert!(
+            p.num_splits * p.chunk_size >= seq_len,
+            "{p:?} does not cover {seq_len}"
+        );
         if seq_len > 0 {
             assert!(
                 (p.num_splits - 1) * p.chunk_size < seq_len,

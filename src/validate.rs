@@ -196,7 +196,9 @@ pub fn check_seqlen_values(seqlens: &[u32], kv_len: usize) -> Result<()> {
 
 pub fn check_num_splits(num_splits: Option<usize>) -> Result<()> {
     if num_splits == Some(0) {
-        bail!("split-kv attention: num_splits must be at least 1 (or None for the heuristic), got 0")
+        bail!(
+            "split-kv attention: num_splits must be at least 1 (or None for the heuristic), got 0"
+        )
     }
     Ok(())
 }

@@ -1,0 +1,447 @@
+//! Times the split-KV decode op against candle's own attention, one JSON line per point.
+//!
+//! ```text
+//! cargo run --release --example bench_decode -- --device cpu
+//! cargo run --release --features cuda --example bench_decode -- --device cuda --json
+//! ```
+//!
+//! On CUDA, inputs rotate over enough buffer sets that one sweep reads at least 512 MiB of K/V
+//! (so L2 never holds them); calls are captured into a CUDA graph where possible and timed with
+//! CUDA events; the median of the repetitions is reported. On the CPU, each backend's median of
+//! `--reps` runs is reported, with a plain multi-threaded read of the same bytes as the ceiling.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_splitkv::SplitKvAttention;
+use clap::{Parser, ValueEnum};
+use rayon::prelude::*;
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// This crate's op.
+    Splitkv,
+    /// candle-transformers' way: repeat_kv, matmul, softmax, matmul.
+    CandleNaive,
+    /// Both.
+    All,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Dtype {
+    fn dtype(self) -> DType {
+        match self {
+            Dtype::Bf16 => DType::BF16,
+            Dtype::F16 => DType::F16,
+            Dtype::F32 => DType::F32,
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmark split-KV decode attention")]
+struct Args {
+    /// cpu or cuda.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Print JSON lines only.
+    #[arg(long)]
+    json: bool,
+    #[arg(long, value_enum, default_value = "all")]
+    backend: Backend,
+    /// Element types to run, in order.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    dtype: Option<Vec<Dtype>>,
+    /// Batch sizes (default: the benchmark grid on CUDA, 1 on CPU).
+    #[arg(long, value_delimiter = ',')]
+    batch: Option<Vec<usize>>,
+    /// Head configs as q_heads:kv_heads:head_dim, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    heads: Option<Vec<String>>,
+    /// Context lengths.
+    #[arg(long = "len", value_delimiter = ',')]
+    lens: Option<Vec<usize>>,
+    /// Timed repetitions per point; the median is reported.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Force this many splits instead of the heuristic.
+    #[arg(long)]
+    splits: Option<usize>,
+    /// Skip points whose K+V exceeds this many GiB.
+    #[arg(long, default_value_t = 8.0)]
+    max_kv_gib: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    b: usize,
+    hq: usize,
+    hk: usize,
+    d: usize,
+    l: usize,
+    dtype: DType,
+}
+
+impl Point {
+    fn kv_bytes(&self) -> usize {
+        2 * self.b * self.hk * self.l * self.d * self.dtype.size_in_bytes()
+    }
+    /// Bytes the op must move: K and V once, q in and out once.
+    fn bytes(&self) -> usize {
+        self.kv_bytes() + 2 * self.b * self.hq * self.d * self.dtype.size_in_bytes()
+    }
+}
+
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+fn parse_heads(spec: &str) -> Result<(usize, usize, usize)> {
+    let parts: Vec<usize> = spec
+        .split(':')
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("bad --heads entry {spec:?}: want q_heads:kv_heads:head_dim"))?;
+    match parts[..] {
+        [hq, hk, d] => Ok((hq, hk, d)),
+        _ => bail!("bad --heads entry {spec:?}: want q_heads:kv_heads:head_dim"),
+    }
+}
+
+fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
+    let heads: Vec<(usize, usize, usize)> = match &args.heads {
+        Some(specs) => specs
+            .iter()
+            .map(|s| parse_heads(s))
+            .collect::<Result<_>>()?,
+        None if on_gpu => vec![(32, 8, 128), (32, 32, 128), (64, 8, 128), (32, 8, 64)],
+        None => vec![(32, 8, 128), (9, 3, 64)],
+    };
+    let batches = args
+        .batch
+        .clone()
+        .unwrap_or(if on_gpu { vec![1, 4, 16, 64] } else { vec![1] });
+    let lens = args.lens.clone().unwrap_or(if on_gpu {
+        vec![1024, 4096, 16384, 65536, 131072]
+    } else {
+        vec![8192, 32768, 65536]
+    });
+    let dtypes = args.dtype.clone().unwrap_or(if on_gpu {
+        vec![Dtype::Bf16, Dtype::F16]
+    } else {
+        vec![Dtype::F32]
+    });
+    let mut out = Vec::new();
+    for dtype in dtypes {
+        for &(hq, hk, d) in &heads {
+            for &b in &batches {
+                for &l in &lens {
+                    let p = Point {
+                        b,
+                        hq,
+                        hk,
+                        d,
+                        l,
+                        dtype: dtype.dtype(),
+                    };
+                    if p.kv_bytes() as f64 <= args.max_kv_gib * (1u64 << 30) as f64 {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One buffer set: q `(b,1,hq,d)` and k, v head-major `(b,hk,L,d)` as a cache holds them.
+struct Inputs {
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+}
+
+impl Inputs {
+    fn random(p: &Point, dev: &Device) -> Result<Self> {
+        let rand = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(p.dtype)?)
+        };
+        Ok(Self {
+            q: rand((p.b, 1, p.hq, p.d))?,
+            k_cache: rand((p.b, p.hk, p.l, p.d))?,
+            v_cache: rand((p.b, p.hk, p.l, p.d))?,
+        })
+    }
+
+    /// `(b, L, hk, d)` views of the cache: no copy.
+    fn kv_views(&self) -> Result<(Tensor, Tensor)> {
+        Ok((self.k_cache.transpose(1, 2)?, self.v_cache.transpose(1, 2)?))
+    }
+}
+
+fn run_splitkv(op: &SplitKvAttention, x: &Inputs) -> Result<Tensor> {
+    let (k, v) = x.kv_views()?;
+    Ok(op.forward(&x.q, &k, &v)?)
+}
+
+/// Attention the way candle-transformers' llama does it at decode time.
+fn run_naive(x: &Inputs, hq: usize, scale: f64) -> Result<Tensor> {
+    let (b, hk, l, d) = x.k_cache.dims4()?;
+    let group = hq / hk;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        Ok(candle_transformers::utils::repeat_kv(t.clone(), group)?.reshape((b, hq, l, d))?)
+    };
+    let q = x.q.transpose(1, 2)?; // (b, hq, 1, d)
+    let k = repeat(&x.k_cache)?;
+    let v = repeat(&x.v_cache)?;
+    let att = (q.matmul(&k.t()?)? * scale)?;
+    let att = candle_nn::ops::softmax_last_dim(&att.to_dtype(DType::F32)?)?.to_dtype(v.dtype())?;
+    Ok(att.matmul(&v)?.transpose(1, 2)?)
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: serde_json::Value) {
+    let gbps = p.bytes() as f64 / us / 1e3;
+    let mut line = json!({
+        "kind": "ours", "backend": backend, "device": device, "dtype": dtype_name(p.dtype),
+        "b": p.b, "hq": p.hq, "hk": p.hk, "L": p.l, "d": p.d,
+        "us": (us * 100.0).round() / 100.0, "GBps": gbps.round(),
+    });
+    if let (Some(obj), Some(more)) = (line.as_object_mut(), extra.as_object()) {
+        obj.extend(more.clone());
+    }
+    if args.json {
+        println!("{line}");
+    } else {
+        println!(
+            "{backend:>13} {:>8} b={:<3} h={}/{} d={:<3} L={:<7} {:>10.1} us {:>7.0} GB/s  {extra}",
+            dtype_name(p.dtype),
+            p.b,
+            p.hq,
+            p.hk,
+            p.d,
+            p.l,
+            us,
+            gbps
+        );
+    }
+}
+
+/// Reads every byte of K and V on all threads: the CPU's bandwidth ceiling for this point.
+fn cpu_read_loop(x: &Inputs) -> Result<f64> {
+    let k = x
+        .k_cache
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let v = x
+        .v_cache
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let start = Instant::now();
+    let sum: f32 = [&k, &v]
+        .into_par_iter()
+        .map(|buf| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().sum::<f32>())
+                .sum::<f32>()
+        })
+        .sum();
+    let us = start.elapsed().as_secs_f64() * 1e6;
+    std::hint::black_box(sum);
+    Ok(us)
+}
+
+fn bench_cpu(args: &Args) -> Result<()> {
+    let dev = Device::Cpu;
+    for p in points(args, false)? {
+        let x = Inputs::random(&p, &dev)?;
+        let scale = 1.0 / (p.d as f64).sqrt();
+        let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);
+        let (k, _) = x.kv_views()?;
+        let splits = op.split_plan(&x.q, &k)?.num_splits;
+        let mut ours = Vec::new();
+        let mut naive = Vec::new();
+        let mut ceiling = Vec::new();
+        for _ in 0..args.reps {
+            if args.backend != Backend::CandleNaive {
+                let t = Instant::now();
+                std::hint::black_box(run_splitkv(&op, &x)?);
+                ours.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            if args.backend != Backend::Splitkv {
+                let t = Instant::now();
+                std::hint::black_box(run_naive(&x, p.hq, scale)?);
+                naive.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            ceiling.push(cpu_read_loop(&x)?);
+        }
+        let read_us = median(ceiling);
+        report(
+            args,
+            &p,
+            "cpu",
+            "read_loop",
+            read_us,
+            json!({"kind": "ceiling"}),
+        );
+        if !ours.is_empty() {
+            let us = median(ours);
+            let mut extra =
+                json!({"splits": splits, "of_ceiling": (read_us / us * 1000.0).round() / 1000.0});
+            if !naive.is_empty() {
+                extra["speedup_vs_naive"] =
+                    json!((median(naive.clone()) / us * 100.0).round() / 100.0);
+            }
+            report(args, &p, "cpu", "splitkv_cpu", us, extra);
+        }
+        if !naive.is_empty() {
+            report(args, &p, "cpu", "candle_naive", median(naive), json!({}));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    //! CUDA timing: rotated buffer sets, graph capture, CUDA events.
+    use super::*;
+    use cudarc::driver::sys;
+
+    /// Buffer sets so that one sweep reads at least 512 MiB of K/V, at most 32.
+    pub fn rotation(p: &Point) -> usize {
+        (512usize << 20).div_ceil(p.kv_bytes()).clamp(1, 32)
+    }
+
+    /// Median GPU µs per call of `call(i)` over the rotated sets: graph-captured where the
+    /// driver allows it, otherwise back-to-back launches.
+    pub fn time(
+        dev: &candle_core::CudaDevice,
+        sets: usize,
+        reps: usize,
+        call: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<(f64, &'static str)> {
+        let stream = dev.cuda_stream();
+        for i in 0..sets {
+            call(i)?;
+        }
+        stream.synchronize()?;
+        let graph = (|| -> Result<Option<cudarc::driver::CudaGraph>> {
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let captured: Result<()> = (0..sets).try_for_each(call);
+            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
+            captured?;
+            Ok(graph)
+        })()
+        .ok()
+        .flatten();
+        let ctx = stream.context();
+        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut samples = Vec::with_capacity(reps);
+        // Back-to-back runs repeat the sweep so that each sample spans enough work.
+        let eager_sweeps = 4;
+        for _ in 0..reps + 1 {
+            let start = ctx.new_event(timing)?;
+            let end = ctx.new_event(timing)?;
+            start.record(&stream)?;
+            let calls = match &graph {
+                Some(g) => {
+                    g.launch()?;
+                    sets
+                }
+                None => {
+                    for _ in 0..eager_sweeps {
+                        (0..sets).try_for_each(call)?;
+                    }
+                    sets * eager_sweeps
+                }
+            };
+            end.record(&stream)?;
+            end.synchronize()?;
+            samples.push(start.elapsed_ms(&end)? as f64 * 1e3 / calls as f64);
+        }
+        samples.remove(0); // the first replay uploads the graph
+        Ok((
+            median(samples),
+            if graph.is_some() { "graph" } else { "eager" },
+        ))
+    }
+
+    pub fn bench(args: &Args) -> Result<()> {
+        let device = Device::new_cuda(0)?;
+        let Device::Cuda(cuda) = &device else {
+            bail!("no CUDA device");
+        };
+        // One stream only: per-tensor events would also be recorded inside graph capture.
+        unsafe { cuda.disable_event_tracking() };
+        for p in points(args, true)? {
+            let sets = rotation(&p);
+            let inputs: Vec<Inputs> = (0..sets)
+                .map(|_| Inputs::random(&p, &device))
+                .collect::<Result<_>>()?;
+            let scale = 1.0 / (p.d as f64).sqrt();
+            let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);
+            if args.backend != Backend::CandleNaive {
+                let (k, _) = inputs[0].kv_views()?;
+                let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
+                let (us, how) = time(cuda, sets, args.reps, &|i| {
+                    run_splitkv(&op, &inputs[i]).map(drop)
+                })?;
+                report(
+                    args,
+                    &p,
+                    "cuda",
+                    "splitkv",
+                    us,
+                    json!({"splits": splits, "timing": how, "sets": sets}),
+                );
+            }
+            if args.backend != Backend::Splitkv {
+                let (us, how) = time(cuda, sets, args.reps, &|i| {
+                    run_naive(&inputs[i], p.hq, scale).map(drop)
+                })?;
+                report(
+                    args,
+                    &p,
+                    "cuda",
+                    "candle_naive",
+                    us,
+                    json!({"timing": how, "sets": sets}),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    match args.device.as_str() {
+        "cpu" => bench_cpu(&args),
+        #[cfg(feature = "cuda")]
+        "cuda" => gpu::bench(&args),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
+        other => bail!("unknown --device {other:?}: use cpu or cuda"),
+    }
+}

@@ -1,0 +1,121 @@
+// Shared device helpers: the launch parameter blocks, dtype conversions, 16-byte async copies
+// and fast base-2 exponentials.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+// Must match `DecodeParams` in src/cuda.rs field for field.
+struct DecodeParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;              // (b, h_q, d) in the input dtype; written when num_splits == 1
+    float* lse_out;         // (b, h_q) natural log; written when num_splits == 1
+    float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs
+    float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps
+    const uint32_t* seqlens;  // (b,) or null
+    long long q_batch_stride, q_head_stride;
+    long long k_batch_stride, k_seq_stride, k_head_stride;
+    long long v_batch_stride, v_seq_stride, v_head_stride;
+    int batch, q_heads, kv_heads, kv_len;
+    int num_splits, chunk_size;
+    float scale_log2;       // softmax_scale * log2(e)
+    int reserved;
+};
+
+// Must match `CombineParams` in src/cuda.rs.
+struct CombineParams {
+    const float* partial_out;
+    const float* partial_lse;
+    void* out;
+    float* lse_out;
+    int rows;        // b * h_q
+    int num_splits;
+    int head_dim;
+    int reserved;
+};
+
+constexpr float kLn2 = 0.69314718055994530942f;
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Eight consecutive elements from 16-byte aligned shared memory, widened to f32.
+__device__ __forceinline__ void load8(const __half* p, float (&f)[8]) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 x = __half22float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    float4 b = *reinterpret_cast<const float4*>(p + 4);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+// 16-byte global → shared copy that bypasses L1. With `valid` false nothing is read and the
+// destination is zero-filled, which is how ragged tails are masked without touching memory past
+// the sequence.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}

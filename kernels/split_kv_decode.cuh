@@ -1,0 +1,294 @@
+// The partial pass of split-KV decode attention.
+//
+// One CTA per (split, kv head, batch); all query heads of the GQA group are handled together, so
+// each K/V element is read from HBM once per group.
+//
+// Inside the CTA every warp streams its own interleaved share of the chunk ("warp tiles") through
+// a private cp.async ring, so the main loop needs no block-wide barrier. A warp covers RPS rows at
+// a time, LPR lanes per row, 8 head-dim elements per lane: q·k is a per-lane partial dot finished
+// by a butterfly over the row's lanes. Each warp keeps its own base-2 online softmax; the warps'
+// states are merged once, through shared memory, at the end of the chunk.
+//
+// With one split the CTA writes the final output; otherwise a normalised partial and its LSE.
+#pragma once
+
+#include "common.cuh"
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+// Target bytes of K+V in flight per warp (the ring size).
+constexpr int kRingBytesPerWarp = 24 * 1024;
+
+template <typename T, int D, int GMAX> struct Tiling {
+    static constexpr int kChunks = D / 8;  // 8-element chunks per row
+    static constexpr int kLanesPerRow = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
+    static constexpr int kRowsPerStep = 32 / kLanesPerRow;
+    static constexpr int kSteps = GMAX <= 4 ? 8 : (GMAX == 8 ? 4 : 2);
+    static constexpr int kRows = kRowsPerStep * kSteps;  // rows per warp tile
+    static constexpr int kStageBytes = 2 * kRows * D * (int)sizeof(T);
+    static constexpr int kStagesWanted = kRingBytesPerWarp / kStageBytes;
+    static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+    static constexpr int kMergeBytes = kWarps * GMAX * (D + 2) * (int)sizeof(float);
+    static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+    // q lives in registers for small groups and in shared memory (after the ring) for GMAX 16.
+    static constexpr bool kQInRegisters = GMAX <= 8;
+    static constexpr int kTotalSmem = kSmemBytes + (kQInRegisters ? 0 : GMAX * D * (int)sizeof(float));
+};
+
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void decode_partial(const DecodeParams& p) {
+    using Cfg = Tiling<T, D, GMAX>;
+    constexpr int CHUNKS = Cfg::kChunks;
+    constexpr int LPR = Cfg::kLanesPerRow;
+    constexpr int RPS = Cfg::kRowsPerStep;
+    constexpr int STEPS = Cfg::kSteps;
+    constexpr int ROWS = Cfg::kRows;
+    constexpr int STAGES = Cfg::kStages;
+    constexpr int PIECES = D * (int)sizeof(T) / 16;  // 16-byte pieces per row
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (dynamic_smem_bytes() < (unsigned)Cfg::kTotalSmem) __trap();
+
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int row_in_step = lane / LPR;
+    const int chunk = lane % LPR;
+    const bool active = chunk < CHUNKS;
+    const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+    const int group = p.q_heads / p.kv_heads;
+
+    int len = p.kv_len;
+    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
+    const int start = split * p.chunk_size;
+    const int end = min(start + p.chunk_size, len);
+    const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
+
+    // Queries, pre-scaled so that scores come out in base 2.
+    float q_reg[Cfg::kQInRegisters ? GMAX : 1][8];
+    float* q_s = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+    if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                q_reg[g][j] = (g < group && active)
+                    ? to_float(q[(long long)(kv_head * group + g) * p.q_head_stride + chunk * 8 + j]) * p.scale_log2
+                    : 0.f;
+    } else {
+        for (int i = tid; i < GMAX * D; i += kThreads) {
+            const int g = i / D, c = i - g * D;
+            q_s[i] = g < group ? to_float(q[(long long)(kv_head * group + g) * p.q_head_stride + c]) * p.scale_log2 : 0.f;
+        }
+        __syncthreads();
+    }
+
+    T* ring = reinterpret_cast<T*>(smem) + (size_t)warp * STAGES * (Cfg::kStageBytes / sizeof(T));
+    const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
+    const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+    // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
+    const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    auto load_tile = [&](int n) {
+        T* k_s = ring + (size_t)(n % STAGES) * 2 * ROWS * D;
+        T* v_s = k_s + ROWS * D;
+        const int first = start + (warp + n * kWarps) * ROWS;
+#pragma unroll
+        for (int i = lane; i < ROWS * PIECES; i += 32) {
+            const int r = i / PIECES, c = i - r * PIECES;
+            const bool valid = first + r < end;
+            const long long pos = valid ? first + r : start;  // never form an address past the end
+            cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
+                       reinterpret_cast<const char*>(k_base + pos * p.k_seq_stride) + c * 16, valid);
+            cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
+                       reinterpret_cast<const char*>(v_base + pos * p.v_seq_stride) + c * 16, valid);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < my_tiles) load_tile(s);
+        cp_async_commit();
+    }
+
+    float run_max[GMAX], run_sum[GMAX], acc[GMAX][8];
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
+    }
+
+    for (int n = 0; n < my_tiles; ++n) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();  // tile n visible to the whole warp; slot n-1 free for reuse
+        if (n + STAGES - 1 < my_tiles) load_tile(n + STAGES - 1);
+        cp_async_commit();
+
+        const T* k_s = ring + (size_t)(n % STAGES) * 2 * ROWS * D;
+        const T* v_s = k_s + ROWS * D;
+        const int first = start + (warp + n * kWarps) * ROWS;
+
+        // Scores of this lane's row in every step, for every head.
+        float score[GMAX][STEPS];
+#pragma unroll
+        for (int step = 0; step < STEPS; ++step) {
+            const int row = step * RPS + row_in_step;
+            float kf[8];
+            if (active) {
+                load8(k_s + row * D + chunk * 8, kf);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) kf[j] = 0.f;
+            }
+#pragma unroll
+            for (int g = 0; g < GMAX; ++g) {
+                float x = 0.f;
+                if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) x = fmaf(kf[j], q_reg[g][j], x);
+                } else {
+                    const float4* qv = reinterpret_cast<const float4*>(q_s + g * D + chunk * 8);
+                    const float4 a = active ? qv[0] : make_float4(0.f, 0.f, 0.f, 0.f);
+                    const float4 e = active ? qv[1] : make_float4(0.f, 0.f, 0.f, 0.f);
+                    x = fmaf(kf[0], a.x, x); x = fmaf(kf[1], a.y, x);
+                    x = fmaf(kf[2], a.z, x); x = fmaf(kf[3], a.w, x);
+                    x = fmaf(kf[4], e.x, x); x = fmaf(kf[5], e.y, x);
+                    x = fmaf(kf[6], e.z, x); x = fmaf(kf[7], e.w, x);
+                }
+                score[g][step] = x;
+            }
+#pragma unroll
+            for (int o = LPR / 2; o > 0; o >>= 1)
+#pragma unroll
+                for (int g = 0; g < GMAX; ++g)
+                    score[g][step] += __shfl_xor_sync(0xffffffffu, score[g][step], o);
+            const bool valid = first + row < end;
+#pragma unroll
+            for (int g = 0; g < GMAX; ++g) score[g][step] = valid ? score[g][step] : -INFINITY;
+        }
+
+        // Online softmax: one max per head over the warp tile, shared by all lanes.
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+            if (g >= group) continue;
+            float tile_max = score[g][0];
+#pragma unroll
+            for (int step = 1; step < STEPS; ++step) tile_max = fmaxf(tile_max, score[g][step]);
+#pragma unroll
+            for (int o = LPR; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+            const float new_max = fmaxf(run_max[g], tile_max);  // finite: every tile has a valid row
+            const float rescale = fast_exp2(run_max[g] - new_max);
+            float tile_sum = 0.f;
+#pragma unroll
+            for (int step = 0; step < STEPS; ++step) {
+                score[g][step] = fast_exp2(score[g][step] - new_max);
+                tile_sum += score[g][step];
+            }
+            run_sum[g] = run_sum[g] * rescale + tile_sum;  // this lane's rows only
+            run_max[g] = new_max;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[g][j] *= rescale;
+        }
+
+        // Values: this lane's 8 columns of its rows.
+        if (active) {
+#pragma unroll
+            for (int step = 0; step < STEPS; ++step) {
+                const int row = step * RPS + row_in_step;
+                float vf[8];
+                load8(v_s + row * D + chunk * 8, vf);
+#pragma unroll
+                for (int g = 0; g < GMAX; ++g) {
+                    if (g < group) {
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(score[g][step], vf[j], acc[g][j]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Fold the rows of each step together: lanes of a row group share max and rescales.
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+        for (int o = LPR; o < 32; o <<= 1) {
+            run_sum[g] += __shfl_xor_sync(0xffffffffu, run_sum[g], o);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+        }
+    }
+
+    // Merge the warps through shared memory (the rings are free once every copy has landed).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(smem);  // [warp][g][D + 2]: outputs, max, sum
+    if (row_in_step == 0) {
+#pragma unroll
+        for (int g = 0; g < GMAX; ++g) {
+            if (g >= group) continue;
+            float* slot = merge + (warp * GMAX + g) * (D + 2);
+            if (active) {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) slot[chunk * 8 + j] = acc[g][j];
+            }
+            if (lane == 0) {
+                slot[D] = run_max[g];
+                slot[D + 1] = run_sum[g];
+            }
+        }
+    }
+    __syncthreads();
+
+    const bool single = p.num_splits == 1;
+    for (int i = tid; i < group * D; i += kThreads) {
+        const int g = i / D, c = i - g * D;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge[(w * GMAX + g) * (D + 2) + D]);
+        float value = 0.f;
+        float lse2 = -INFINITY;
+        if (m != -INFINITY) {
+            float total = 0.f, sum = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) {
+                const float* slot = merge + (w * GMAX + g) * (D + 2);
+                const float weight = fast_exp2(slot[D] - m);  // 0 for a warp that saw no rows
+                total = fmaf(weight, slot[c], total);
+                sum = fmaf(weight, slot[D + 1], sum);
+            }
+            value = total / sum;
+            lse2 = m + __log2f(sum);
+        }
+        const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
+        if (single) {
+            static_cast<T*>(p.out)[row_index * D + c] = from_float<T>(value);
+            if (c == 0) p.lse_out[row_index] = lse2 * kLn2;
+        } else {
+            const long long slot = row_index * p.num_splits + split;
+            p.partial_out[slot * D + c] = value;
+            if (c == 0) p.partial_lse[slot] = lse2;
+        }
+    }
+}
+
+#define DECODE_KERNEL(NAME, T, D, GMAX)                                                      \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(           \
+        const DecodeParams p) {                                                              \
+        decode_partial<T, D, GMAX>(p);                                                       \
+    }
+
+#define DECODE_GROUPS(NAME, T, D) \
+    DECODE_KERNEL(NAME, T, D, 1)  \
+    DECODE_KERNEL(NAME, T, D, 2)  \
+    DECODE_KERNEL(NAME, T, D, 4)  \
+    DECODE_KERNEL(NAME, T, D, 8)  \
+    DECODE_KERNEL(NAME, T, D, 16)
+
+#define DECODE_DIMS(NAME, T)     \
+    DECODE_GROUPS(NAME, T, 64)   \
+    DECODE_GROUPS(NAME, T, 80)   \
+    DECODE_GROUPS(NAME, T, 96)   \
+    DECODE_GROUPS(NAME, T, 128)  \
+    DECODE_GROUPS(NAME, T, 256)

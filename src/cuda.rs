@@ -1,0 +1,389 @@
+//! The CUDA path: loads the PTX that build.rs compiled from `kernels/` and launches the partial
+//! and combine kernels on candle's stream, with no host synchronisation.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use half::{bf16, f16};
+
+use crate::op::SplitKvAttention;
+use crate::plan::MAX_SPLITS;
+use crate::validate::{self, DecodeDims, RowStrides};
+
+const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
+const DECODE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_bf16.ptx"));
+const DECODE_F32_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f32.ptx"));
+const COMBINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/combine.ptx"));
+
+/// Threads per CTA of the partial kernel (`kThreads` in kernels/split_kv_decode.cuh).
+const DECODE_THREADS: u32 = 128;
+const COMBINE_THREADS: u32 = 128;
+
+/// Launch parameters of the partial kernel; must match `DecodeParams` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DecodeParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse_out: u64,
+    partial_out: u64,
+    partial_lse: u64,
+    seqlens: u64,
+    q_batch_stride: i64,
+    q_head_stride: i64,
+    k_batch_stride: i64,
+    k_seq_stride: i64,
+    k_head_stride: i64,
+    v_batch_stride: i64,
+    v_seq_stride: i64,
+    v_head_stride: i64,
+    batch: i32,
+    q_heads: i32,
+    kv_heads: i32,
+    kv_len: i32,
+    num_splits: i32,
+    chunk_size: i32,
+    scale_log2: f32,
+    reserved: i32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernels expect.
+unsafe impl DeviceRepr for DecodeParams {}
+
+/// Launch parameters of the combine kernel; must match `CombineParams` in kernels/common.cuh.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct CombineParams {
+    partial_out: u64,
+    partial_lse: u64,
+    out: u64,
+    lse_out: u64,
+    rows: i32,
+    num_splits: i32,
+    head_dim: i32,
+    reserved: i32,
+}
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for CombineParams {}
+
+/// The partial kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
+fn group_bucket(group: usize) -> Result<usize> {
+    match [1, 2, 4, 8, 16].into_iter().find(|&g| g >= group) {
+        Some(g) => Ok(g),
+        None => bail!(
+            "split-kv attention: the CUDA kernels support up to 16 query heads per kv head, got {group}"
+        ),
+    }
+}
+
+/// Dynamic shared memory of one partial CTA: `Tiling::kTotalSmem` in
+/// kernels/split_kv_decode.cuh (the kernel traps if it is given less).
+fn decode_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usize {
+    const WARPS: usize = 4;
+    const RING_BYTES_PER_WARP: usize = 24 * 1024;
+    let chunks = head_dim / 8;
+    let lanes_per_row = match chunks {
+        0..=8 => 8,
+        9..=16 => 16,
+        _ => 32,
+    };
+    let steps = match gmax {
+        0..=4 => 8,
+        8 => 4,
+        _ => 2,
+    };
+    let rows = (32 / lanes_per_row) * steps;
+    let stage_bytes = 2 * rows * head_dim * elem_bytes;
+    let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
+    let ring = WARPS * stages * stage_bytes;
+    let merge = WARPS * gmax * (head_dim + 2) * 4;
+    let q_in_smem = if gmax <= 8 { 0 } else { gmax * head_dim * 4 };
+    ring.max(merge) + q_in_smem
+}
+
+fn dtype_tag(dtype: DType) -> Result<(&'static str, &'static str)> {
+    Ok(match dtype {
+        DType::F16 => ("f16", DECODE_F16_PTX),
+        DType::BF16 => ("bf16", DECODE_BF16_PTX),
+        DType::F32 => ("f32", DECODE_F32_PTX),
+        other => {
+            bail!("split-kv attention: dtype {other:?} is not supported; use f32, f16 or bf16")
+        }
+    })
+}
+
+/// The cp.async loads move 16 bytes at a time, so every K/V row must start on a 16-byte boundary.
+fn check_alignment(
+    name: &str,
+    strides: &RowStrides,
+    dims: &[usize],
+    elem_bytes: usize,
+) -> Result<()> {
+    let per_16 = 16 / elem_bytes;
+    let moving = [
+        (strides.batch, dims[0]),
+        (strides.seq, dims[1]),
+        (strides.head, dims[2]),
+    ];
+    let misaligned = strides.offset % per_16 != 0
+        || moving
+            .iter()
+            .any(|&(stride, size)| size > 1 && stride % per_16 != 0);
+    if misaligned {
+        bail!(
+            "split-kv attention: on CUDA every row of {name} must start on a 16-byte boundary \
+             (offset and batch/seq/head strides multiples of {per_16} elements), got offset {} and \
+             strides {:?}; call .contiguous() on {name} first",
+            strides.offset,
+            [strides.batch, strides.seq, strides.head]
+        )
+    }
+    Ok(())
+}
+
+fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems: usize) -> u64 {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = slice.device_ptr(&stream);
+    ptr + (offset_elems * std::mem::size_of::<T>()) as u64
+}
+
+/// The partial kernel for one (dtype, head dim, group bucket), ready to launch.
+struct DecodeKernel {
+    func: CudaFunction,
+    smem_bytes: usize,
+    tag: &'static str,
+    /// CTAs resident on the whole GPU at once: the split plan fills these.
+    parallel_slots: usize,
+}
+
+impl DecodeKernel {
+    fn load(dev: &CudaDevice, dtype: DType, dims: &DecodeDims) -> Result<Self> {
+        let (tag, ptx) = dtype_tag(dtype)?;
+        let elem_bytes = dtype.size_in_bytes();
+        let gmax = group_bucket(dims.group_size())?;
+        let smem_bytes = decode_smem_bytes(dims.head_dim, elem_bytes, gmax);
+        let name = format!("split_kv_decode_{tag}_d{}_g{gmax}", dims.head_dim);
+        let func =
+            (*dev.get_or_load_custom_func(&name, &format!("split_kv_decode_{tag}"), ptx)?).clone();
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes as i32,
+        )
+        .w()?;
+        let sms = dev
+            .cuda_stream()
+            .context()
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .w()? as usize;
+        let per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, smem_bytes, None)
+            .w()?
+            .max(1) as usize;
+        Ok(Self {
+            func,
+            smem_bytes,
+            tag,
+            parallel_slots: sms * per_sm,
+        })
+    }
+}
+
+/// The split plan the CUDA path would use for these inputs.
+pub fn split_plan(
+    op: &SplitKvAttention,
+    dev: &CudaDevice,
+    dtype: DType,
+    dims: &DecodeDims,
+) -> Result<crate::plan::SplitPlan> {
+    let kernel = DecodeKernel::load(dev, dtype, dims)?;
+    Ok(op.plan(dims, kernel.parallel_slots))
+}
+
+/// Entry point from `SplitKvAttention::cuda_fwd`.
+pub fn forward(
+    op: &SplitKvAttention,
+    (q, q_layout): (&CudaStorage, &Layout),
+    (k, k_layout): (&CudaStorage, &Layout),
+    (v, v_layout): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dims = validate::check_layouts(
+        (q.dtype(), q_layout),
+        (k.dtype(), k_layout),
+        (v.dtype(), v_layout),
+    )?;
+    validate::check_num_splits(op.num_splits)?;
+    match q.dtype() {
+        DType::F16 => launch::<f16>(op, dims, (q, q_layout), (k, k_layout), (v, v_layout)),
+        DType::BF16 => launch::<bf16>(op, dims, (q, q_layout), (k, k_layout), (v, v_layout)),
+        DType::F32 => launch::<f32>(op, dims, (q, q_layout), (k, k_layout), (v, v_layout)),
+        other => {
+            bail!("split-kv attention: dtype {other:?} is not supported; use f32, f16 or bf16")
+        }
+    }
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    op: &SplitKvAttention,
+    dims: DecodeDims,
+    (q, q_layout): (&CudaStorage, &Layout),
+    (k, k_layout): (&CudaStorage, &Layout),
+    (v, v_layout): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = q.device().clone();
+    let elem_bytes = std::mem::size_of::<T>();
+    let (q_strides, k_strides, v_strides) = (
+        RowStrides::of(q_layout),
+        RowStrides::of(k_layout),
+        RowStrides::of(v_layout),
+    );
+    check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
+    check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
+    check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
+    if dims.kv_len > i32::MAX as usize {
+        bail!(
+            "split-kv attention: kv_len {} exceeds {}",
+            dims.kv_len,
+            i32::MAX
+        )
+    }
+
+    let kernel = DecodeKernel::load(&dev, q.dtype(), &dims)?;
+    let (decode, smem, tag) = (&kernel.func, kernel.smem_bytes, kernel.tag);
+    let plan = op.plan(&dims, kernel.parallel_slots);
+    debug_assert!(plan.num_splits <= MAX_SPLITS);
+
+    let rows = dims.batch * dims.q_heads;
+    // SAFETY: every element of `out` and `lse` is written by the partial kernel (one split) or
+    // the combine kernel (several); the partial buffers are fully written before they are read.
+    let out = unsafe { dev.alloc::<T>(rows * dims.head_dim)? };
+    let lse = unsafe { dev.alloc::<f32>(rows)? };
+    let scratch_rows = if plan.num_splits > 1 {
+        rows * plan.num_splits
+    } else {
+        1
+    };
+    let partial_out = unsafe { dev.alloc::<f32>(scratch_rows * dims.head_dim)? };
+    let partial_lse = unsafe { dev.alloc::<f32>(scratch_rows)? };
+    if op.poison_scratch {
+        poison(&dev, &out)?;
+        poison(&dev, &lse)?;
+        poison(&dev, &partial_out)?;
+        poison(&dev, &partial_lse)?;
+    }
+
+    let seqlens_guard;
+    let seqlens_ptr = match &op.seqlens_k {
+        None => 0,
+        Some(t) => {
+            let (storage, layout) = t.storage_and_layout();
+            seqlens_guard = storage;
+            let Storage::Cuda(s) = &*seqlens_guard else {
+                bail!("split-kv attention: seqlens_k must be on q's CUDA device")
+            };
+            device_ptr(s.as_cuda_slice::<u32>()?, &dev, layout.start_offset())
+        }
+    };
+    if op.seqlens_k.as_ref().is_some_and(|t| !t.is_contiguous()) {
+        bail!("split-kv attention: seqlens_k must be contiguous")
+    }
+
+    let params = DecodeParams {
+        q: device_ptr(q.as_cuda_slice::<T>()?, &dev, q_strides.offset),
+        k: device_ptr(k.as_cuda_slice::<T>()?, &dev, k_strides.offset),
+        v: device_ptr(v.as_cuda_slice::<T>()?, &dev, v_strides.offset),
+        out: device_ptr(&out, &dev, 0),
+        lse_out: device_ptr(&lse, &dev, 0),
+        partial_out: device_ptr(&partial_out, &dev, 0),
+        partial_lse: device_ptr(&partial_lse, &dev, 0),
+        seqlens: seqlens_ptr,
+        q_batch_stride: q_strides.batch as i64,
+        q_head_stride: q_strides.head as i64,
+        k_batch_stride: k_strides.batch as i64,
+        k_seq_stride: k_strides.seq as i64,
+        k_head_stride: k_strides.head as i64,
+        v_batch_stride: v_strides.batch as i64,
+        v_seq_stride: v_strides.seq as i64,
+        v_head_stride: v_strides.head as i64,
+        batch: dims.batch as i32,
+        q_heads: dims.q_heads as i32,
+        kv_heads: dims.kv_heads as i32,
+        kv_len: dims.kv_len as i32,
+        num_splits: plan.num_splits as i32,
+        chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
+        scale_log2: op.softmax_scale * std::f32::consts::LOG2_E,
+        reserved: 0,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (
+            plan.num_splits as u32,
+            dims.kv_heads as u32,
+            dims.batch as u32,
+        ),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(decode);
+    builder.arg(&params);
+    // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
+    // `batch` entries, and writes only the buffers allocated above, sized for this launch.
+    unsafe { builder.launch(cfg) }.w()?;
+
+    if plan.num_splits > 1 {
+        let combine = dev.get_or_load_custom_func(
+            &format!("split_kv_combine_{tag}"),
+            "split_kv_combine",
+            COMBINE_PTX,
+        )?;
+        let params = CombineParams {
+            partial_out: device_ptr(&partial_out, &dev, 0),
+            partial_lse: device_ptr(&partial_lse, &dev, 0),
+            out: device_ptr(&out, &dev, 0),
+            lse_out: device_ptr(&lse, &dev, 0),
+            rows: rows as i32,
+            num_splits: plan.num_splits as i32,
+            head_dim: dims.head_dim as i32,
+            reserved: 0,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (COMBINE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = combine.builder();
+        builder.arg(&params);
+        // SAFETY: reads the partial buffers written above and writes `rows` outputs.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    drop(partial_out);
+    drop(partial_lse);
+
+    op.deliver_lse(|| {
+        let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
+        Ok(Tensor::from_storage(
+            storage,
+            (dims.batch, dims.q_heads, 1),
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    })?;
+    Ok((
+        CudaStorage::wrap_cuda_slice(out, dev),
+        q_layout.shape().clone(),
+    ))
+}
+
+/// Fills a buffer with NaN bytes, so that tests catch any element the kernels fail to write.
+fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = buf.device_ptr(&stream);
+    let bytes = buf.len() * std::mem::size_of::<T>();
+    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
+}

@@ -1,0 +1,193 @@
+//! Shared by the CPU and GPU test suites: random inputs and an f64 reference.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
+
+/// One decode problem's sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct Case {
+    pub b: usize,
+    pub h_q: usize,
+    pub h_kv: usize,
+    pub d: usize,
+    pub l: usize,
+    pub dtype: DType,
+}
+
+impl Case {
+    pub fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+}
+
+/// Fresh random q, k, v of the case's dtype on `device`; k and v are contiguous `(b, L, h_kv, d)`.
+pub fn random_qkv(case: &Case, device: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+    let q =
+        Tensor::randn(0f32, 1.0, (case.b, 1, case.h_q, case.d), device)?.to_dtype(case.dtype)?;
+    let k = Tensor::randn(0f32, 1.0, (case.b, case.l, case.h_kv, case.d), device)?
+        .to_dtype(case.dtype)?;
+    let v = Tensor::randn(0f32, 1.0, (case.b, case.l, case.h_kv, case.d), device)?
+        .to_dtype(case.dtype)?;
+    Ok((q, k, v))
+}
+
+/// Random k or v laid out head-major `(b, h_kv, capacity, d)`, returned as the narrowed and
+/// transposed `(b, len, h_kv, d)` view a KV cache hands to the op, plus its contiguous copy.
+pub fn head_major_view(
+    b: usize,
+    h_kv: usize,
+    capacity: usize,
+    len: usize,
+    d: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let buffer = Tensor::randn(0f32, 1.0, (b, h_kv, capacity, d), device)?.to_dtype(dtype)?;
+    let view = buffer.narrow(2, 0, len)?.transpose(1, 2)?;
+    let dense = view.contiguous()?;
+    Ok((view, dense))
+}
+
+/// softmax(q·kᵀ·scale)·v and the natural-log LSE, in f64, per `(b, h_q)`.
+/// `seqlens` restricts batch entry `b` to its first `seqlens[b]` positions.
+pub struct Reference {
+    /// `(b, h_q, d)` flattened.
+    pub out: Vec<f64>,
+    /// `(b, h_q)` flattened.
+    pub lse: Vec<f64>,
+}
+
+pub fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    seqlens: Option<&[u32]>,
+) -> Result<Reference> {
+    let (b, _, h_q, d) = q.dims4()?;
+    let (_, l, h_kv, _) = k.dims4()?;
+    let group = h_q / h_kv;
+    // f32 holds f16/bf16 values exactly and halves the memory of an f64 copy.
+    let to_host = |t: &Tensor| -> Result<Vec<f32>> {
+        t.to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()
+    };
+    let (q, k, v) = (
+        to_host(q)?,
+        to_host(&k.contiguous()?)?,
+        to_host(&v.contiguous()?)?,
+    );
+    // One row per (batch, q head), computed in parallel: GPU tests check long sequences.
+    let rows: Vec<(Vec<f64>, f64)> = (0..b * h_q)
+        .into_par_iter()
+        .map(|row| {
+            let (bi, h) = (row / h_q, row % h_q);
+            let len = seqlens.map_or(l, |s| s[bi] as usize);
+            let g = h / group;
+            let qrow = &q[row * d..(row + 1) * d];
+            let mut o = vec![0f64; d];
+            if len == 0 {
+                return (o, f64::NEG_INFINITY);
+            }
+            let scores: Vec<f64> = (0..len)
+                .map(|t| {
+                    let krow = &k[((bi * l + t) * h_kv + g) * d..][..d];
+                    qrow.iter()
+                        .zip(krow)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mut sum = 0f64;
+            for (t, score) in scores.iter().enumerate() {
+                let p = (score - max).exp();
+                sum += p;
+                let vrow = &v[((bi * l + t) * h_kv + g) * d..][..d];
+                for (acc, x) in o.iter_mut().zip(vrow) {
+                    *acc += p * *x as f64;
+                }
+            }
+            o.iter_mut().for_each(|x| *x /= sum);
+            (o, max + sum.ln())
+        })
+        .collect();
+    let lse = rows.iter().map(|(_, lse)| *lse).collect();
+    let out = rows.into_iter().flat_map(|(o, _)| o).collect();
+    Ok(Reference { out, lse })
+}
+
+/// Absolute + relative tolerance on the output for inputs and output of `dtype`.
+pub fn tolerance(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F32 => (2e-5, 1e-4),
+        DType::F16 => (2e-3, 4e-3),
+        DType::BF16 => (1.5e-2, 1.6e-2),
+        other => panic!("no tolerance for {other:?}"),
+    }
+}
+
+pub fn host_f64(t: &Tensor) -> Result<Vec<f64>> {
+    t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()
+}
+
+/// Worst violation of `|got - want| <= atol + rtol·|want|` over all elements, as a ratio of the
+/// allowed error (≤ 1 passes). NaN counts as an infinite violation.
+pub fn worst_violation(got: &[f64], want: &[f64], (atol, rtol): (f64, f64)) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_nan() || w.is_nan() {
+                return f64::INFINITY;
+            }
+            if g == w {
+                return 0.0;
+            }
+            (g - w).abs() / (atol + rtol * w.abs())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Checks an output against the reference, with a message naming the case.
+pub fn assert_close(what: &str, got: &Tensor, want: &[f64], dtype: DType) -> Result<()> {
+    let got = host_f64(got)?;
+    let worst = worst_violation(&got, want, tolerance(dtype));
+    assert!(
+        worst <= 1.0,
+        "{what}: output differs from the f64 reference ({worst:.2}× the {dtype:?} tolerance)"
+    );
+    Ok(())
+}
+
+/// Checks natural-log LSEs against the reference: -inf must match exactly, finite values within
+/// a tolerance relative to the score scale.
+pub fn assert_lse_close(what: &str, got: &Tensor, want: &[f64], dtype: DType) -> Result<()> {
+    let got = host_f64(got)?;
+    assert_eq!(got.len(), want.len(), "{what}: LSE length");
+    let tol = match dtype {
+        DType::F32 => 1e-4,
+        _ => 2e-3,
+    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if w.is_infinite() {
+            assert!(
+                g.is_infinite() && *g < 0.0,
+                "{what}: lse[{i}] = {g}, want -inf"
+            );
+        } else {
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()),
+                "{what}: lse[{i}] = {g}, want {w}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,299 @@
+//! The CUDA kernels against the f64 reference. Every run poisons the output and the split scratch
+//! with NaN first, so an element the kernels fail to write fails the comparison.
+//!
+//! Skips with a notice where no CUDA device exists.
+
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use candle_splitkv::SplitKvAttention;
+use common::{assert_close, assert_lse_close, host_f64, reference, Case};
+
+const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
+const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(dev) => Some(dev),
+        Err(e) => {
+            println!("skipping GPU test: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn poisoned(scale: f32) -> SplitKvAttention {
+    let mut op = SplitKvAttention::new(scale);
+    op.poison_scratch = true;
+    op
+}
+
+fn check_case(dev: &Device, case: Case, splits: Option<usize>) -> Result<()> {
+    let (q, k, v) = common::random_qkv(&case, dev)?;
+    let op = poisoned(case.scale()).with_num_splits(splits);
+    let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+    assert_eq!(out.dims(), q.dims());
+    assert_eq!(out.dtype(), case.dtype);
+    assert_eq!(lse.dims(), &[case.b, case.h_q, 1]);
+    let want = reference(&q, &k, &v, case.scale(), None)?;
+    let what = format!("{case:?} splits {splits:?}");
+    assert_close(&what, &out, &want.out, case.dtype)?;
+    assert_lse_close(&what, &lse, &want.lse, case.dtype)
+}
+
+#[test]
+fn gpu_full_matrix() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut count = 0;
+    for l in [1, 2, 255, 256, 257, 4097, 50000] {
+        for b in [1, 3] {
+            for (h_q, h_kv) in HEADS {
+                for d in HEAD_DIMS {
+                    for dtype in DTYPES {
+                        check_case(
+                            &dev,
+                            Case {
+                                b,
+                                h_q,
+                                h_kv,
+                                d,
+                                l,
+                                dtype,
+                            },
+                            None,
+                        )?;
+                        count += 1;
+                    }
+                }
+            }
+        }
+    }
+    println!("gpu_full_matrix: {count} cases passed");
+    Ok(())
+}
+
+#[test]
+fn gpu_every_group_size() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut count = 0;
+    for group in 1..=16 {
+        for dtype in [DType::BF16, DType::F16] {
+            let case = Case {
+                b: 2,
+                h_q: 2 * group,
+                h_kv: 2,
+                d: 128,
+                l: 3000,
+                dtype,
+            };
+            check_case(&dev, case, None)?;
+            count += 1;
+        }
+    }
+    println!("gpu_every_group_size: {count} cases passed");
+    Ok(())
+}
+
+#[test]
+fn gpu_forced_splits_agree() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in [DType::BF16, DType::F32] {
+        let case = Case {
+            b: 1,
+            h_q: 32,
+            h_kv: 8,
+            d: 128,
+            l: 65536,
+            dtype,
+        };
+        let (q, k, v) = common::random_qkv(&case, &dev)?;
+        let want = reference(&q, &k, &v, case.scale(), None)?;
+        let one = poisoned(case.scale())
+            .with_num_splits(Some(1))
+            .forward(&q, &k, &v)?;
+        let one = host_f64(&one)?;
+        let mut count = 0;
+        for n in (1..=64).chain([100, 128, 200, 256]) {
+            let op = poisoned(case.scale()).with_num_splits(Some(n));
+            let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+            assert_close(&format!("{n} splits {dtype:?}"), &out, &want.out, dtype)?;
+            assert_lse_close(&format!("{n} splits {dtype:?}"), &lse, &want.lse, dtype)?;
+            let got = host_f64(&out)?;
+            let ulp = if dtype == DType::F32 { 2e-6 } else { 8e-3 };
+            let diff = got
+                .iter()
+                .zip(&one)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                diff <= ulp,
+                "{n} splits differ from 1 split by {diff} ({dtype:?})"
+            );
+            count += 1;
+        }
+        println!("gpu_forced_splits_agree {dtype:?}: {count} split counts agree");
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_large_logits() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in DTYPES {
+        let case = Case {
+            b: 2,
+            h_q: 32,
+            h_kv: 8,
+            d: 128,
+            l: 20000,
+            dtype,
+        };
+        let (q, k, v) = common::random_qkv(&case, &dev)?;
+        let q = (q.to_dtype(DType::F32)? * 100.0)?.to_dtype(dtype)?;
+        let want = reference(&q, &k, &v, case.scale(), None)?;
+        for splits in [None, Some(1), Some(13)] {
+            let (out, lse) = poisoned(case.scale())
+                .with_num_splits(splits)
+                .forward_with_lse(&q, &k, &v)?;
+            let got = host_f64(&out)?;
+            assert!(got.iter().all(|x| x.is_finite()), "non-finite output");
+            // ×100 logits amplify the fp32 rounding of q·k a hundredfold, so allow 10× more.
+            let (atol, rtol) = common::tolerance(dtype);
+            let worst = common::worst_violation(&got, &want.out, (10.0 * atol, 10.0 * rtol));
+            assert!(
+                worst <= 1.0,
+                "x100 {dtype:?} {splits:?}: {worst:.2}× the tolerance"
+            );
+            assert_lse_close(
+                &format!("x100 {dtype:?} {splits:?}"),
+                &lse,
+                &want.lse,
+                dtype,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_very_long_context() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let case = Case {
+        b: 1,
+        h_q: 32,
+        h_kv: 8,
+        d: 128,
+        l: 262144,
+        dtype: DType::BF16,
+    };
+    check_case(&dev, case, None)?;
+    check_case(&dev, case, Some(1))?;
+    println!("gpu_very_long_context: L = 262144 passed");
+    Ok(())
+}
+
+#[test]
+fn gpu_head_major_cache_view() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in DTYPES {
+        let (b, h_q, h_kv, d, cap, len) = (2, 9, 3, 64, 5000, 4097);
+        let q = Tensor::randn(0f32, 1.0, (b, 1, h_q, d), &dev)?.to_dtype(dtype)?;
+        let (k_view, k_dense) = common::head_major_view(b, h_kv, cap, len, d, dtype, &dev)?;
+        let (v_view, v_dense) = common::head_major_view(b, h_kv, cap, len, d, dtype, &dev)?;
+        assert!(!k_view.is_contiguous());
+        let scale = 0.125;
+        let out = poisoned(scale).forward(&q, &k_view, &v_view)?;
+        let want = reference(&q, &k_dense, &v_dense, scale, None)?;
+        assert_close(&format!("head-major {dtype:?}"), &out, &want.out, dtype)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_varlen() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in DTYPES {
+        let case = Case {
+            b: 4,
+            h_q: 14,
+            h_kv: 2,
+            d: 96,
+            l: 9000,
+            dtype,
+        };
+        let (q, k, v) = common::random_qkv(&case, &dev)?;
+        let lens = [9000u32, 0, 1, 4097];
+        let seqlens = Tensor::new(&lens, &dev)?;
+        for splits in [None, Some(1), Some(5)] {
+            let op = poisoned(case.scale())
+                .with_seqlens(seqlens.clone())
+                .with_num_splits(splits);
+            let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+            let want = reference(&q, &k, &v, case.scale(), Some(&lens))?;
+            let what = format!("varlen {dtype:?} {splits:?}");
+            assert_close(&what, &out, &want.out, dtype)?;
+            assert_lse_close(&what, &lse, &want.lse, dtype)?;
+            assert!(
+                host_f64(&out.i(1)?)?.iter().all(|&x| x == 0.0),
+                "{what}: empty row not zero"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_matches_cpu_op() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dtype in DTYPES {
+        let case = Case {
+            b: 3,
+            h_q: 32,
+            h_kv: 8,
+            d: 128,
+            l: 12345,
+            dtype,
+        };
+        let (q, k, v) = common::random_qkv(&case, &Device::Cpu)?;
+        let cpu = SplitKvAttention::new(case.scale()).forward(&q, &k, &v)?;
+        let gpu_out = poisoned(case.scale()).forward(
+            &q.to_device(&dev)?,
+            &k.to_device(&dev)?,
+            &v.to_device(&dev)?,
+        )?;
+        let (a, b) = (host_f64(&cpu)?, host_f64(&gpu_out)?);
+        let worst = common::worst_violation(&b, &a, common::tolerance(dtype));
+        assert!(
+            worst <= 1.0,
+            "GPU and CPU differ ({worst:.2}× the {dtype:?} tolerance)"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_rejects_bad_inputs() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let q = Tensor::zeros((1, 1, 8, 64), DType::F32, &dev)?;
+    let k_cpu = Tensor::zeros((1, 16, 8, 64), DType::F32, &Device::Cpu)?;
+    let v = Tensor::zeros((1, 16, 8, 64), DType::F32, &dev)?;
+    let err = candle_splitkv::flash_decode(&q, &k_cpu, &v, 1.0).unwrap_err();
+    assert!(err.to_string().contains("same device"), "{err}");
+    let k = Tensor::zeros((1, 16, 8, 64), DType::F32, &dev)?;
+    let q2 = Tensor::zeros((1, 2, 8, 64), DType::F32, &dev)?;
+    let err = candle_splitkv::flash_decode(&q2, &k, &v, 1.0).unwrap_err();
+    assert!(err.to_string().contains("q_len = 2"), "{err}");
+    let seqlens_cpu = Tensor::new(&[3u32], &Device::Cpu)?;
+    let err = candle_splitkv::flash_decode_varlen(&q, &k, &v, &seqlens_cpu, 1.0).unwrap_err();
+    assert!(
+        err.to_string().contains("seqlens_k must be on q's device"),
+        "{err}"
+    );
+    // A view starting mid-row is not 16-byte aligned.
+    let wide = Tensor::zeros((1, 16, 8, 65), DType::F32, &dev)?;
+    let k_odd = wide.narrow(3, 1, 64)?;
+    let err = candle_splitkv::flash_decode(&q, &k_odd, &v, 1.0).unwrap_err();
+    assert!(err.to_string().contains("16-byte boundary"), "{err}");
+    Ok(())
+}

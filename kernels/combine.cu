@@ -39,7 +39,7 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
         for (int s = 0; s < splits; ++s) acc = fmaf(weight_s[s], partial[(long long)s * p.head_dim + c], acc);
         out[c] = from_float<T>(acc * inv_total_s);
     }
-    if (threadIdx.x == 0) p.lse_out[row] = lse_s;
+    if (threadIdx.x == 0 && p.lse_out != nullptr) p.lse_out[row] = lse_s;
 }
 
 extern "C" __global__ void split_kv_combine_f16(const CombineParams p) { combine<__half>(p); }

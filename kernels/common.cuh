@@ -12,7 +12,7 @@ struct DecodeParams {
     const void* k;
     const void* v;
     void* out;              // (b, h_q, d) in the input dtype; written when num_splits == 1
-    float* lse_out;         // (b, h_q) natural log; written when num_splits == 1
+    float* lse_out;         // (b, h_q) natural log, or null when not wanted
     float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs
     float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps
     const uint32_t* seqlens;  // (b,) or null
@@ -30,7 +30,7 @@ struct CombineParams {
     const float* partial_out;
     const float* partial_lse;
     void* out;
-    float* lse_out;
+    float* lse_out;  // or null
     int rows;        // b * h_q
     int num_splits;
     int head_dim;

@@ -264,7 +264,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
         const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
         if (single) {
             static_cast<T*>(p.out)[row_index * D + c] = from_float<T>(value);
-            if (c == 0) p.lse_out[row_index] = lse2 * kLn2;
+            if (c == 0 && p.lse_out != nullptr) p.lse_out[row_index] = lse2 * kLn2;
         } else {
             const long long slot = row_index * p.num_splits + split;
             p.partial_out[slot * D + c] = value;

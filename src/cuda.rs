@@ -259,23 +259,36 @@ fn launch<T: CudaDType + DeviceRepr>(
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
     let rows = dims.batch * dims.q_heads;
-    // SAFETY: every element of `out` and `lse` is written by the partial kernel (one split) or
-    // the combine kernel (several); the partial buffers are fully written before they are read.
+    // Every allocation is a node in a captured graph, so allocate only what this call needs: the
+    // LSE when the caller asked for it, and one scratch buffer (partial outputs, then their LSEs)
+    // when there is more than one split.
+    // SAFETY (all three): every element is written by the partial kernel (one split) or the
+    // combine kernel (several) before anything reads it; the tests poison them to prove it.
     let out = unsafe { dev.alloc::<T>(rows * dims.head_dim)? };
-    let lse = unsafe { dev.alloc::<f32>(rows)? };
-    let scratch_rows = if plan.num_splits > 1 {
-        rows * plan.num_splits
+    let lse = if op.wants_lse() {
+        Some(unsafe { dev.alloc::<f32>(rows)? })
     } else {
-        1
+        None
     };
-    let partial_out = unsafe { dev.alloc::<f32>(scratch_rows * dims.head_dim)? };
-    let partial_lse = unsafe { dev.alloc::<f32>(scratch_rows)? };
+    let scratch = if plan.num_splits > 1 {
+        Some(unsafe { dev.alloc::<f32>(rows * plan.num_splits * (dims.head_dim + 1))? })
+    } else {
+        None
+    };
     if op.poison_scratch {
         poison(&dev, &out)?;
-        poison(&dev, &lse)?;
-        poison(&dev, &partial_out)?;
-        poison(&dev, &partial_lse)?;
+        if let Some(lse) = &lse {
+            poison(&dev, lse)?;
+        }
+        if let Some(scratch) = &scratch {
+            poison(&dev, scratch)?;
+        }
     }
+    let lse_ptr = lse.as_ref().map_or(0, |l| device_ptr(l, &dev, 0));
+    let partial_out_ptr = scratch.as_ref().map_or(0, |s| device_ptr(s, &dev, 0));
+    let partial_lse_ptr = scratch.as_ref().map_or(0, |s| {
+        device_ptr(s, &dev, rows * plan.num_splits * dims.head_dim)
+    });
 
     let seqlens_guard;
     let seqlens_ptr = match &op.seqlens_k {
@@ -298,9 +311,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         k: device_ptr(k.as_cuda_slice::<T>()?, &dev, k_strides.offset),
         v: device_ptr(v.as_cuda_slice::<T>()?, &dev, v_strides.offset),
         out: device_ptr(&out, &dev, 0),
-        lse_out: device_ptr(&lse, &dev, 0),
-        partial_out: device_ptr(&partial_out, &dev, 0),
-        partial_lse: device_ptr(&partial_lse, &dev, 0),
+        lse_out: lse_ptr,
+        partial_out: partial_out_ptr,
+        partial_lse: partial_lse_ptr,
         seqlens: seqlens_ptr,
         q_batch_stride: q_strides.batch as i64,
         q_head_stride: q_strides.head as i64,
@@ -342,10 +355,10 @@ fn launch<T: CudaDType + DeviceRepr>(
             COMBINE_PTX,
         )?;
         let params = CombineParams {
-            partial_out: device_ptr(&partial_out, &dev, 0),
-            partial_lse: device_ptr(&partial_lse, &dev, 0),
+            partial_out: partial_out_ptr,
+            partial_lse: partial_lse_ptr,
             out: device_ptr(&out, &dev, 0),
-            lse_out: device_ptr(&lse, &dev, 0),
+            lse_out: lse_ptr,
             rows: rows as i32,
             num_splits: plan.num_splits as i32,
             head_dim: dims.head_dim as i32,
@@ -361,10 +374,12 @@ fn launch<T: CudaDType + DeviceRepr>(
         // SAFETY: reads the partial buffers written above and writes `rows` outputs.
         unsafe { builder.launch(cfg) }.w()?;
     }
-    drop(partial_out);
-    drop(partial_lse);
+    drop(scratch);
 
     op.deliver_lse(|| {
+        let Some(lse) = lse else {
+            bail!("split-kv attention: LSE requested but not allocated")
+        };
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
         Ok(Tensor::from_storage(
             storage,

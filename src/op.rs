@@ -111,6 +111,11 @@ impl SplitKvAttention {
         }
     }
 
+    /// Whether a `forward_with_lse` call waits for the LSE.
+    pub(crate) fn wants_lse(&self) -> bool {
+        self.lse_slot.is_some()
+    }
+
     /// Hands the LSE to a waiting `forward_with_lse`, if any.
     pub(crate) fn deliver_lse(&self, make: impl FnOnce() -> Result<Tensor>) -> Result<()> {
         if let Some(slot) = &self.lse_slot {

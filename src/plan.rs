@@ -30,8 +30,8 @@ pub struct SplitPlan {
 /// hardware that runs `parallel_slots` units at once.
 ///
 /// - No split when the units alone fill the slots, or when the sequence is at most one chunk.
-/// - Otherwise enough splits to fill the slots, with chunks of at least [`MIN_CHUNK`] positions,
-///   rounded to [`CHUNK_ALIGN`], and at most [`MAX_SPLITS`] splits.
+/// - Otherwise as many splits as fit in one wave of the slots, with chunks of at least
+///   [`MIN_CHUNK`] positions, rounded to [`CHUNK_ALIGN`], and at most [`MAX_SPLITS`] splits.
 pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize) -> SplitPlan {
     let units = (batch * kv_heads).max(1);
     let slots = parallel_slots.max(1);
@@ -41,7 +41,8 @@ pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize
             chunk_size: seq_len.max(1),
         };
     }
-    let wanted = slots.div_ceil(units).min(MAX_SPLITS);
+    // Round down: one more split than fits would start a second, nearly empty wave.
+    let wanted = (slots / units).clamp(1, MAX_SPLITS);
     chunked(seq_len, wanted)
 }
 
@@ -110,6 +111,22 @@ mod tests {
         assert_eq!(p.chunk_size % CHUNK_ALIGN, 0);
         covers(p, 131072);
         assert!(8 * p.num_splits >= 264);
+    }
+
+    #[test]
+    fn split_work_fits_in_one_wave() {
+        for (b, h) in [(1, 8), (4, 8), (16, 8), (1, 32), (4, 32), (2, 3)] {
+            let p = plan(b, h, 131072, 264);
+            assert!(p.num_splits > 1, "{b}x{h} should split");
+            assert!(
+                b * h * p.num_splits <= 264,
+                "{b}x{h}: {p:?} spills into a second wave"
+            );
+            assert!(
+                b * h * (p.num_splits + 1) > 264,
+                "{b}x{h}: {p:?} leaves a split's worth idle"
+            );
+        }
     }
 
     #[test]

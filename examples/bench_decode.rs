@@ -243,35 +243,43 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
     }
 }
 
-/// Reads every byte of K and V on all threads: the CPU's bandwidth ceiling for this point.
+/// Reads every byte of K and V on all threads, straight from the tensors' storage: the CPU's
+/// bandwidth ceiling for this point.
 fn cpu_read_loop(x: &Inputs) -> Result<f64> {
-    let k = x
-        .k_cache
-        .flatten_all()?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?;
-    let v = x
-        .v_cache
-        .flatten_all()?
-        .to_dtype(DType::F32)?
-        .to_vec1::<f32>()?;
+    fn sum_storage(t: &Tensor) -> Result<f32> {
+        let (storage, layout) = t.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*storage else {
+            bail!("read loop needs a CPU tensor");
+        };
+        let data = cpu.as_slice::<f32>()?;
+        let data = &data[layout.start_offset()..];
+        Ok(data.par_chunks(1 << 14).map(sum_wide).sum::<f32>())
+    }
     let start = Instant::now();
-    let sum: f32 = [&k, &v]
-        .into_par_iter()
-        .map(|buf| {
-            buf.par_chunks(1 << 16)
-                .map(|c| c.iter().sum::<f32>())
-                .sum::<f32>()
-        })
-        .sum();
+    let sum = sum_storage(&x.k_cache)? + sum_storage(&x.v_cache)?;
     let us = start.elapsed().as_secs_f64() * 1e6;
     std::hint::black_box(sum);
     Ok(us)
 }
 
+/// Sum with eight independent accumulators, so the loop is bound by loads, not by add latency.
+fn sum_wide(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
 fn bench_cpu(args: &Args) -> Result<()> {
     let dev = Device::Cpu;
     for p in points(args, false)? {
+        if p.dtype != DType::F32 {
+            bail!("the CPU benchmark runs f32 (its read-loop ceiling reads f32); pass --dtype f32");
+        }
         let x = Inputs::random(&p, &dev)?;
         let scale = 1.0 / (p.d as f64).sqrt();
         let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);

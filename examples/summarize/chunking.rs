@@ -98,6 +98,21 @@ fn last_sentence_end(span: &str) -> Option<usize> {
     })
 }
 
+/// `text` without a trailing unfinished sentence, as left by a generation that hit its token
+/// limit. Text with no complete sentence at all is kept whole.
+pub fn drop_unfinished_sentence(text: &str) -> &str {
+    let text = text.trim_end();
+    if text.ends_with(['.', '!', '?', '"', ')']) {
+        return text;
+    }
+    // Unlike chunking, a line break is no sentence end here: models copy hard-wrapped lines.
+    let bytes = text.as_bytes();
+    let end = (1..bytes.len()).rev().find(|&i| {
+        matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace()
+    });
+    end.map_or(text, |end| text[..end].trim_end())
+}
+
 fn next_char_boundary(text: &str, pos: usize) -> usize {
     (pos + 1..=text.len())
         .find(|&i| text.is_char_boundary(i))
@@ -134,6 +149,23 @@ mod tests {
         let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
         assert_eq!(squash(&chunks.join(" ")), squash(text));
         chunks
+    }
+
+    #[test]
+    fn drops_an_unfinished_last_sentence() {
+        assert_eq!(drop_unfinished_sentence("One. Two is cut"), "One.");
+        assert_eq!(
+            drop_unfinished_sentence("One. Two!\nThree and"),
+            "One. Two!"
+        );
+        assert_eq!(
+            drop_unfinished_sentence("Done. Finished.  \n"),
+            "Done. Finished."
+        );
+        assert_eq!(
+            drop_unfinished_sentence("no sentence ends here"),
+            "no sentence ends here"
+        );
     }
 
     #[test]

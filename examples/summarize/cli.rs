@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = AttentionArg::Splitkv)]
     pub attention: AttentionArg,
 
-    /// The most tokens generated for each summary (of a chunk, and the final one).
+    /// The most tokens of the final summary; summaries of chunks get half as many.
     #[arg(long, default_value_t = 200)]
     pub max_new_tokens: usize,
 
@@ -47,7 +47,7 @@ pub struct Args {
 
     /// The most document tokens summarized at once. Longer documents are split into chunks of at
     /// most this size (smaller still if the model's context requires it).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 1024)]
     pub chunk_tokens: usize,
 
     /// Print one JSON object with the summary and the statistics on stdout, instead of streaming

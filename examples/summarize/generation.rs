@@ -21,7 +21,6 @@ pub struct SamplingSettings {
     pub seed: u64,
     /// 1 means no penalty.
     pub repeat_penalty: f32,
-    pub max_new_tokens: usize,
 }
 
 /// Receives what happens during a generation, to draw progress or stream the text.
@@ -91,10 +90,6 @@ impl<'m> Generator<'m> {
         self.model.context_length()
     }
 
-    pub fn max_new_tokens(&self) -> usize {
-        self.settings.max_new_tokens
-    }
-
     /// Tokenizes a rendered chat prompt. The special-token markers in it are recognized as such.
     pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
         let encoding = self
@@ -104,10 +99,11 @@ impl<'m> Generator<'m> {
         Ok(encoding.get_ids().to_vec())
     }
 
-    /// Generates the answer to `prompt`, starting from an empty cache.
+    /// Generates the answer to `prompt`, at most `max_new_tokens` of it, from an empty cache.
     pub fn generate(
         &mut self,
         prompt: &[u32],
+        max_new_tokens: usize,
         observer: &mut dyn GenerationObserver,
     ) -> Result<Generation> {
         let context = self.model.context_length();
@@ -134,7 +130,6 @@ impl<'m> Generator<'m> {
             temperature,
             seed,
             repeat_penalty,
-            max_new_tokens,
         } = self.settings;
         let mut sampler = LogitsProcessor::new(seed, Some(temperature), None);
         let mut stream = self.tokenizer.decode_stream(true);

@@ -89,14 +89,15 @@ fn run(args: &Args) -> Result<()> {
         temperature: args.temperature,
         seed: args.seed,
         repeat_penalty: args.repeat_penalty,
-        max_new_tokens: args.max_new_tokens,
     };
     let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
-    let summary = Summarizer::new(&mut generator, format, args.chunk_tokens).summarize(
-        &document,
-        &mut progress,
-        !args.json,
-    )?;
+    let summary = Summarizer::new(
+        &mut generator,
+        format,
+        args.chunk_tokens,
+        args.max_new_tokens,
+    )
+    .summarize(&document, &mut progress, !args.json)?;
     progress.clear();
 
     let info = RunInfo {

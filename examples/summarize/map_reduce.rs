@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 
 use crate::bad_input::bad_input;
 use crate::chat_template::ChatFormat;
-use crate::chunking::{split_into_chunks, token_starts};
+use crate::chunking::{drop_unfinished_sentence, split_into_chunks, token_starts};
 use crate::generation::{GenerationObserver, Generator, Timing};
 use crate::progress::{Progress, StreamToStdout};
 
@@ -15,35 +15,29 @@ const SYSTEM: &str = "You are a helpful assistant who writes concise, accurate s
 /// a chunk alone and the same span inside the whole document.
 const PROMPT_SLACK: usize = 32;
 
-/// What a generation is asked to do.
+/// What a generation is asked to do. The instruction follows the text: small models lose an
+/// instruction placed before a long text, and then continue or repeat the text instead.
 #[derive(Debug, Clone, Copy)]
 enum Task<'t> {
     /// The whole document fits at once.
     Document(&'t str),
     /// One chunk of a longer document.
-    Part {
-        text: &'t str,
-        index: usize,
-        count: usize,
-    },
-    /// Summaries of consecutive parts, to be merged.
+    Part(&'t str),
+    /// Summaries of consecutive parts, to be merged into one.
     Summaries(&'t str),
 }
 
 impl Task<'_> {
     fn user_message(self) -> String {
         match self {
-            Task::Document(text) => {
-                format!("Summarize the following document in a few sentences.\n\n{text}")
+            // Joined summaries read like a short document; asked to "combine summaries", small
+            // models tend to describe the list instead of summarizing it.
+            Task::Document(text) | Task::Summaries(text) => {
+                format!("{text}\n\nSummarize the text above in a short paragraph.")
             }
-            Task::Part { text, index, count } => format!(
-                "Summarize the following text, part {index} of {count} of a longer document, \
-                 in a few sentences.\n\n{text}"
-            ),
-            Task::Summaries(text) => format!(
-                "Here are summaries of consecutive parts of one document:\n\n{text}\n\n\
-                 Write one concise summary of the whole document."
-            ),
+            Task::Part(text) => {
+                format!("{text}\n\nSummarize the text above in two or three sentences.")
+            }
         }
     }
 }
@@ -66,19 +60,33 @@ pub struct Summarizer<'g, 'm> {
     generator: &'g mut Generator<'m>,
     format: ChatFormat,
     chunk_tokens: usize,
+    /// Limit of the final summary.
+    max_new_tokens: usize,
     generations: usize,
     timing: Timing,
 }
 
 impl<'g, 'm> Summarizer<'g, 'm> {
-    pub fn new(generator: &'g mut Generator<'m>, format: ChatFormat, chunk_tokens: usize) -> Self {
+    pub fn new(
+        generator: &'g mut Generator<'m>,
+        format: ChatFormat,
+        chunk_tokens: usize,
+        max_new_tokens: usize,
+    ) -> Self {
         Self {
             generator,
             format,
             chunk_tokens,
+            max_new_tokens,
             generations: 0,
             timing: Timing::default(),
         }
+    }
+
+    /// Limit of the intermediate summaries: half the final one. They are only read by the
+    /// model, and shorter ones keep small models from rambling and decoding from dominating.
+    fn part_tokens(&self) -> usize {
+        (self.max_new_tokens / 2).max(16)
     }
 
     /// Summarizes `document`. The final summary streams to stdout when `stream` is set.
@@ -98,13 +106,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         let text = if count <= 1 {
             self.final_summary(Task::Document(document.trim()), progress, stream)?
         } else {
-            let tasks: Vec<Task> = (chunks.iter().enumerate())
-                .map(|(i, &text)| Task::Part {
-                    text,
-                    index: i + 1,
-                    count,
-                })
-                .collect();
+            let tasks: Vec<Task> = chunks.iter().map(|&text| Task::Part(text)).collect();
             let mut summaries = self.summarize_all(&tasks, "part", progress)?;
             loop {
                 let joined = summaries.join("\n\n");
@@ -146,26 +148,18 @@ impl<'g, 'm> Summarizer<'g, 'm> {
     /// every round shrinks the text.
     fn budgets(&self) -> Result<(usize, usize)> {
         let context = self.generator.context_length();
-        let max_new = self.generator.max_new_tokens();
+        let max_new = self.max_new_tokens;
         let mut overhead = 0;
-        for task in [
-            Task::Document(""),
-            Task::Part {
-                text: "",
-                index: 1000,
-                count: 1000,
-            },
-            Task::Summaries(""),
-        ] {
+        for task in [Task::Document(""), Task::Part(""), Task::Summaries("")] {
             overhead = overhead.max(self.prompt(task)?.len());
         }
         let room = context.saturating_sub(overhead + PROMPT_SLACK + max_new);
-        let min_merge = 2 * max_new + PROMPT_SLACK;
+        let min_merge = 2 * self.part_tokens() + PROMPT_SLACK;
         if room < min_merge {
             bad_input!(
                 "--max-new-tokens {max_new} is too large for the model's context of {context} \
                  tokens: summaries could not be merged; use at most {}",
-                context.saturating_sub(overhead + 2 * PROMPT_SLACK) / 3
+                context.saturating_sub(overhead + 2 * PROMPT_SLACK) / 2
             );
         }
         Ok((
@@ -194,9 +188,10 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         let mut summaries = Vec::with_capacity(tasks.len());
         for (i, prompt) in prompts.iter().enumerate() {
             progress.set_step(format!("{label} {}/{}", i + 1, tasks.len()));
-            let summary = self.run(prompt, progress)?;
+            let summary = self.run(prompt, self.part_tokens(), progress)?;
+            let summary = drop_unfinished_sentence(&summary);
             if !summary.is_empty() {
-                summaries.push(summary);
+                summaries.push(summary.to_string());
             }
         }
         if summaries.is_empty() {
@@ -216,16 +211,21 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         progress.set_step("summary");
         if stream {
             let mut out = StreamToStdout::new(progress);
-            let text = self.run(&prompt, &mut out)?;
+            let text = self.run(&prompt, self.max_new_tokens, &mut out)?;
             out.finish()?;
             Ok(text)
         } else {
-            self.run(&prompt, progress)
+            self.run(&prompt, self.max_new_tokens, progress)
         }
     }
 
-    fn run(&mut self, prompt: &[u32], observer: &mut dyn GenerationObserver) -> Result<String> {
-        let generation = self.generator.generate(prompt, observer)?;
+    fn run(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        observer: &mut dyn GenerationObserver,
+    ) -> Result<String> {
+        let generation = self.generator.generate(prompt, max_new_tokens, observer)?;
         self.generations += 1;
         self.timing.add(generation.timing);
         Ok(generation.text)

@@ -63,11 +63,26 @@ fn scratch_dir(test: &str) -> PathBuf {
 fn assert_rejected(args: &[&str], expected: &str) {
     let output = summarize(args);
     let stderr = text(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{args:?}: stderr was {stderr:?}");
-    assert!(output.stdout.is_empty(), "{args:?}: printed {:?}", text(&output.stdout));
-    assert_eq!(stderr.lines().count(), 1, "{args:?}: expected one line, got {stderr:?}");
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{args:?}: stderr was {stderr:?}"
+    );
+    assert!(
+        output.stdout.is_empty(),
+        "{args:?}: printed {:?}",
+        text(&output.stdout)
+    );
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: expected one line, got {stderr:?}"
+    );
     assert!(stderr.starts_with("error: "), "{args:?}: {stderr:?}");
-    assert!(stderr.contains(expected), "{args:?}: {stderr:?} lacks {expected:?}");
+    assert!(
+        stderr.contains(expected),
+        "{args:?}: {stderr:?} lacks {expected:?}"
+    );
     assert!(!stderr.contains("panicked"), "{args:?}: {stderr:?}");
 }
 
@@ -103,7 +118,11 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
     let document = dir.join("doc.txt");
     std::fs::write(&document, SHORT_DOCUMENT).unwrap();
     let garbage = dir.join("garbage.gguf");
-    std::fs::write(&garbage, b"this is not a GGUF file, just some text pretending").unwrap();
+    std::fs::write(
+        &garbage,
+        b"this is not a GGUF file, just some text pretending",
+    )
+    .unwrap();
     let document = document.to_str().unwrap();
 
     let missing_model = dir.join("nowhere.gguf");
@@ -112,7 +131,13 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
         "model not found",
     );
     assert_rejected(
-        &[document, "--model", garbage.to_str().unwrap(), "--device", "cpu"],
+        &[
+            document,
+            "--model",
+            garbage.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
         "cannot load the model",
     );
     assert_rejected(&[document, "--temperature", "-1"], "--temperature");
@@ -131,14 +156,21 @@ fn short_document_streams_a_summary_and_a_stats_line() {
     let output = summarize(&[document.to_str().unwrap()]);
     let stdout = text(&output.stdout);
     let stderr = text(&output.stderr);
-    assert!(output.status.success(), "exit {:?}: {stderr}", output.status.code());
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
     assert!(
         stdout.split_whitespace().count() >= 5,
         "expected a summary of a few words, got {stdout:?}"
     );
     let stats = stderr.lines().last().unwrap_or_default();
     assert!(stats.contains(" 1 chunk |"), "{stats:?}");
-    assert!(stats.contains("decode ") && stats.contains("tok/s"), "{stats:?}");
+    assert!(
+        stats.contains("decode ") && stats.contains("tok/s"),
+        "{stats:?}"
+    );
     assert!(stats.contains("attention splitkv"), "{stats:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -148,18 +180,35 @@ fn long_document_is_summarized_in_several_chunks() {
     let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
     let output = summarize(&[sample_document().to_str().unwrap(), "--json", "--quiet"]);
     let stderr = text(&output.stderr);
-    assert!(output.status.success(), "exit {:?}: {stderr}", output.status.code());
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
     assert!(stderr.is_empty(), "--quiet printed {stderr:?}");
 
-    let report: Value = serde_json::from_slice(&output.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {}", text(&output.stdout)));
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            text(&output.stdout)
+        )
+    });
     let summary = report["summary"].as_str().expect("a summary string");
-    assert!(summary.split_whitespace().count() >= 5, "summary: {summary:?}");
+    assert!(
+        summary.split_whitespace().count() >= 5,
+        "summary: {summary:?}"
+    );
     let stats = &report["stats"];
     // The sample is longer than SmolLM2's 8192-token window.
     assert!(stats["document_tokens"].as_u64().unwrap() > 8192, "{stats}");
     assert!(stats["chunks"].as_u64().unwrap() >= 2, "{stats}");
     // One generation per chunk, then at least one to merge them.
-    assert!(stats["generations"].as_u64().unwrap() > stats["chunks"].as_u64().unwrap(), "{stats}");
-    assert!(stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0, "{stats}");
+    assert!(
+        stats["generations"].as_u64().unwrap() > stats["chunks"].as_u64().unwrap(),
+        "{stats}"
+    );
+    assert!(
+        stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0,
+        "{stats}"
+    );
 }

@@ -107,9 +107,9 @@ pub fn drop_unfinished_sentence(text: &str) -> &str {
     }
     // Unlike chunking, a line break is no sentence end here: models copy hard-wrapped lines.
     let bytes = text.as_bytes();
-    let end = (1..bytes.len()).rev().find(|&i| {
-        matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace()
-    });
+    let end = (1..bytes.len())
+        .rev()
+        .find(|&i| matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace());
     end.map_or(text, |end| text[..end].trim_end())
 }
 

@@ -13,6 +13,8 @@ use crate::generation::GenerationObserver;
 pub struct Progress {
     bar: ProgressBar,
     step: String,
+    /// Whether the bar shows token counts yet (it is a plain spinner while the model loads).
+    counting: bool,
 }
 
 impl Progress {
@@ -25,17 +27,12 @@ impl Progress {
             ProgressDrawTarget::stderr()
         };
         let bar = ProgressBar::with_draw_target(Some(0), target);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} prompt tokens  {msg}",
-            )
-            .expect("the progress template is valid")
-            .progress_chars("=> "),
-        );
+        bar.set_style(style("{spinner} [{elapsed_precise}] {msg}"));
         bar.enable_steady_tick(Duration::from_millis(200));
         Self {
             bar,
             step: String::new(),
+            counting: false,
         }
     }
 
@@ -46,7 +43,14 @@ impl Progress {
     }
 
     /// Adds prompt tokens that will be read.
-    pub fn add_work(&self, tokens: usize) {
+    pub fn add_work(&mut self, tokens: usize) {
+        if !self.counting {
+            self.bar.set_style(
+                style("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} prompt tokens  {msg}")
+                    .progress_chars("=> "),
+            );
+            self.counting = true;
+        }
         self.bar.inc_length(tokens as u64);
     }
 
@@ -54,6 +58,10 @@ impl Progress {
     pub fn clear(&self) {
         self.bar.finish_and_clear();
     }
+}
+
+fn style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template).expect("the progress templates are valid")
 }
 
 impl GenerationObserver for Progress {

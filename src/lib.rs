@@ -24,15 +24,20 @@
 //! # Ok(()) }
 //! ```
 
+pub mod attention;
+pub mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod models;
 mod op;
 pub mod plan;
 mod validate;
 
 use candle_core::{Result, Tensor};
 
+pub use attention::{cached_attention, AttentionBackend, CachedAttention};
+pub use cache::{KvCache, KvCacheConfig};
 pub use op::SplitKvAttention;
 pub use validate::SUPPORTED_HEAD_DIMS;
 

@@ -1,0 +1,73 @@
+//! Command-line interface of the summarizer.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+
+/// Summarize a text document with a local LLM, on CPU or CUDA.
+///
+/// Documents longer than the model's context are cut into chunks on paragraph boundaries; each
+/// chunk is summarized, then the summaries are summarized (map-reduce). With no --model, the
+/// default model (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) is downloaded on first use.
+#[derive(Debug, Parser)]
+#[command(name = "summarize")]
+pub struct Args {
+    /// The document to summarize (UTF-8 text or Markdown), or `-` to read standard input.
+    pub file: PathBuf,
+
+    /// A GGUF file, or a Hugging Face model directory (config.json, tokenizer.json,
+    /// *.safetensors). Default: SmolLM2-135M-Instruct, fetched into the cache on first use.
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
+
+    /// Where to run the model. Default: cuda when built with the `cuda` feature and a GPU is
+    /// present, otherwise cpu.
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+
+    /// Attention used while decoding: the crate's split-KV kernel, or the naive reference.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Splitkv)]
+    pub attention: AttentionArg,
+
+    /// The most tokens of the final summary; summaries of chunks get half as many.
+    #[arg(long, default_value_t = 200)]
+    pub max_new_tokens: usize,
+
+    /// Sampling temperature; 0 picks the most likely token every time (reproducible output).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f64,
+
+    /// Seed of the sampler, used when --temperature is above 0.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+
+    /// Penalty on tokens the summary already used (1 disables it); keeps small models from looping.
+    #[arg(long, default_value_t = 1.1, allow_negative_numbers = true)]
+    pub repeat_penalty: f32,
+
+    /// The most document tokens summarized at once. Longer documents are split into chunks of at
+    /// most this size (smaller still if the model's context requires it).
+    #[arg(long, default_value_t = 1024)]
+    pub chunk_tokens: usize,
+
+    /// Print one JSON object with the summary and the statistics on stdout, instead of streaming
+    /// the summary as text.
+    #[arg(long)]
+    pub json: bool,
+
+    /// No progress bar, no notices and no statistics line on stderr; errors are still reported.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    Splitkv,
+    Naive,
+}

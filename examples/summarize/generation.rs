@@ -1,0 +1,183 @@
+//! One generation: prefill a prompt into an empty cache, then sample tokens until the answer ends.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_splitkv::models::llama::Llama;
+use candle_transformers::generation::LogitsProcessor;
+use tokenizers::Tokenizer;
+
+/// Prefill goes through the model in slices of this many tokens, so progress can be shown while
+/// a long prompt is read. Large enough to keep the matrix products efficient.
+const PREFILL_SLICE: usize = 512;
+/// The repeat penalty looks at this many of the latest generated tokens.
+const REPEAT_WINDOW: usize = 64;
+
+/// How tokens are picked.
+#[derive(Debug, Clone, Copy)]
+pub struct SamplingSettings {
+    /// 0 means greedy.
+    pub temperature: f64,
+    pub seed: u64,
+    /// 1 means no penalty.
+    pub repeat_penalty: f32,
+}
+
+/// Receives what happens during a generation, to draw progress or stream the text.
+pub trait GenerationObserver {
+    /// `tokens` more prompt tokens went through the model, at `tokens_per_s` so far.
+    fn prefilled(&mut self, tokens: usize, tokens_per_s: f64);
+    /// The answer grew by `text` (possibly empty while a multi-byte character is incomplete);
+    /// `generated` tokens so far, at `tokens_per_s`.
+    fn generated(&mut self, text: &str, generated: usize, tokens_per_s: f64) -> Result<()>;
+}
+
+/// The outcome of a generation.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The answer, special tokens removed, trimmed.
+    pub text: String,
+    pub timing: Timing,
+}
+
+/// Token counts and time spent, for the statistics.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timing {
+    pub prefill_tokens: usize,
+    pub prefill_secs: f64,
+    /// Forward passes of one token each.
+    pub decode_tokens: usize,
+    pub decode_secs: f64,
+}
+
+impl Timing {
+    pub fn add(&mut self, other: Timing) {
+        self.prefill_tokens += other.prefill_tokens;
+        self.prefill_secs += other.prefill_secs;
+        self.decode_tokens += other.decode_tokens;
+        self.decode_secs += other.decode_secs;
+    }
+}
+
+/// Runs generations on one model.
+pub struct Generator<'m> {
+    model: &'m mut Llama,
+    tokenizer: &'m Tokenizer,
+    stop_tokens: Vec<u32>,
+    settings: SamplingSettings,
+}
+
+impl<'m> Generator<'m> {
+    pub fn new(
+        model: &'m mut Llama,
+        tokenizer: &'m Tokenizer,
+        stop_tokens: Vec<u32>,
+        settings: SamplingSettings,
+    ) -> Self {
+        Self {
+            model,
+            tokenizer,
+            stop_tokens,
+            settings,
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        self.tokenizer
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.model.context_length()
+    }
+
+    /// Tokenizes a rendered chat prompt. The special-token markers in it are recognized as such.
+    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .tokenizer
+            .encode(prompt, false)
+            .map_err(|e| anyhow!("cannot tokenize the prompt: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Generates the answer to `prompt`, at most `max_new_tokens` of it, from an empty cache.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        observer: &mut dyn GenerationObserver,
+    ) -> Result<Generation> {
+        let context = self.model.context_length();
+        if prompt.is_empty() || prompt.len() >= context {
+            bail!(
+                "a prompt of {} tokens does not fit the model's context of {context}",
+                prompt.len()
+            );
+        }
+        // Each generation is independent: the previous chunk's cache must not leak into this one.
+        self.model.reset();
+
+        let start = Instant::now();
+        let mut logits = None;
+        for slice in prompt.chunks(PREFILL_SLICE) {
+            logits = Some(self.model.forward(slice).context("prefill failed")?);
+            let done = self.model.cache_len();
+            observer.prefilled(slice.len(), done as f64 / start.elapsed().as_secs_f64());
+        }
+        let mut logits = logits.context("empty prompt")?;
+        let prefill_secs = start.elapsed().as_secs_f64();
+
+        let SamplingSettings {
+            temperature,
+            seed,
+            repeat_penalty,
+        } = self.settings;
+        let mut sampler = LogitsProcessor::new(seed, Some(temperature), None);
+        let mut stream = self.tokenizer.decode_stream(true);
+        let mut generated: Vec<u32> = Vec::new();
+        let mut decode_tokens = 0;
+        let start = Instant::now();
+        loop {
+            if repeat_penalty != 1.0 && !generated.is_empty() {
+                let window = &generated[generated.len().saturating_sub(REPEAT_WINDOW)..];
+                logits = candle_transformers::utils::apply_repeat_penalty(
+                    &logits,
+                    repeat_penalty,
+                    window,
+                )?;
+            }
+            let token = sampler.sample(&logits)?;
+            if self.stop_tokens.contains(&token) {
+                break;
+            }
+            generated.push(token);
+            let piece = stream
+                .step(token)
+                .map_err(|e| anyhow!("cannot decode token {token}: {e}"))?;
+            let elapsed = start.elapsed().as_secs_f64();
+            let rate = if elapsed > 0.0 {
+                decode_tokens as f64 / elapsed
+            } else {
+                0.0
+            };
+            observer.generated(piece.as_deref().unwrap_or(""), generated.len(), rate)?;
+            if generated.len() >= max_new_tokens || self.model.cache_len() + 1 >= context {
+                break;
+            }
+            logits = self.model.forward(&[token]).context("decoding failed")?;
+            decode_tokens += 1;
+        }
+        let text = self
+            .tokenizer
+            .decode(&generated, true)
+            .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
+        Ok(Generation {
+            text: text.trim().to_string(),
+            timing: Timing {
+                prefill_tokens: prompt.len(),
+                prefill_secs,
+                decode_tokens,
+                decode_secs: start.elapsed().as_secs_f64(),
+            },
+        })
+    }
+}

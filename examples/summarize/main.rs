@@ -1,0 +1,178 @@
+//! Summarizes a text document with a local LLM: the default model is fetched on first use, and
+//! documents longer than the model's context are summarized chunk by chunk (map-reduce).
+//!
+//! ```text
+//! cargo run --release --example summarize -- examples/data/split-kv-decoding.md
+//! ```
+//!
+//! Exit codes: 0 on success, 2 for bad input (document, model or options), 1 for other failures.
+
+mod bad_input;
+mod chat_template;
+mod chunking;
+mod cli;
+mod default_model;
+mod document;
+mod generation;
+mod map_reduce;
+mod progress;
+mod stats;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::Result;
+use candle_core::Device;
+use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use clap::Parser;
+
+use bad_input::{bad_input, BadInput};
+use chat_template::ChatFormat;
+use cli::{Args, AttentionArg, DeviceArg};
+use generation::{Generator, SamplingSettings};
+use map_reduce::Summarizer;
+use progress::Progress;
+use stats::RunInfo;
+
+fn main() -> ExitCode {
+    // candle attaches a backtrace to its errors when RUST_BACKTRACE is set; a user facing a bad
+    // model file wants the one-line reason, not a stack. Panics still get their backtrace.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let bad_input = error.chain().any(|cause| cause.is::<BadInput>());
+            eprintln!("error: {}", one_line(&error));
+            ExitCode::from(if bad_input { 2 } else { 1 })
+        }
+    }
+}
+
+/// The error and its causes on one line, as messages from deep inside may span several.
+fn one_line(error: &anyhow::Error) -> String {
+    let text = format!("{error:#}");
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn run(args: &Args) -> Result<()> {
+    let started = Instant::now();
+    check_options(args)?;
+    // The document is checked first: a typo in its name should not wait for a model download.
+    let document = document::read_document(&args.file)?;
+    let device = select_device(args.device)?;
+    let model_path = match &args.model {
+        Some(path) if !path.exists() => bad_input!("model not found: {}", path.display()),
+        Some(path) => path.clone(),
+        None => default_model::default_model_path(args.quiet)?,
+    };
+
+    let mut progress = Progress::new(args.quiet);
+    progress.set_step(format!("loading {}", file_name(&model_path)));
+    let backend = match args.attention {
+        AttentionArg::Splitkv => AttentionBackend::SplitKv,
+        AttentionArg::Naive => AttentionBackend::Naive,
+    };
+    let loaded = match Llama::load(&model_path, &device, backend) {
+        Ok(loaded) => loaded,
+        Err(e) => bad_input!("cannot load the model {}: {e}", model_path.display()),
+    };
+    let mut model = loaded.model;
+    let format = ChatFormat::detect(loaded.chat_template.as_deref());
+    let mut stop_tokens = loaded.eos_token_ids.clone();
+    stop_tokens.extend(loaded.tokenizer.token_to_id(format.end_of_turn()));
+
+    let settings = SamplingSettings {
+        temperature: args.temperature,
+        seed: args.seed,
+        repeat_penalty: args.repeat_penalty,
+    };
+    let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
+    let summary = Summarizer::new(
+        &mut generator,
+        format,
+        args.chunk_tokens,
+        args.max_new_tokens,
+    )
+    .summarize(&document, &mut progress, !args.json)?;
+    progress.clear();
+
+    let info = RunInfo {
+        model: model_path.display().to_string(),
+        device: device_name(&device),
+        attention: match backend {
+            AttentionBackend::SplitKv => "splitkv",
+            AttentionBackend::Naive => "naive",
+        },
+        elapsed_secs: started.elapsed().as_secs_f64(),
+    };
+    if args.json {
+        println!("{}", stats::json_report(&summary, &info));
+    }
+    if !args.quiet {
+        eprintln!("{}", stats::stats_line(&summary, &info));
+    }
+    Ok(())
+}
+
+/// Rejects option values that clap's types let through.
+fn check_options(args: &Args) -> Result<()> {
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bad_input!("--temperature must be 0 or more, got {}", args.temperature);
+    }
+    if !(args.repeat_penalty.is_finite() && args.repeat_penalty > 0.0) {
+        bad_input!(
+            "--repeat-penalty must be above 0, got {}",
+            args.repeat_penalty
+        );
+    }
+    if args.max_new_tokens == 0 {
+        bad_input!("--max-new-tokens must be at least 1");
+    }
+    if args.chunk_tokens < 64 {
+        bad_input!(
+            "--chunk-tokens must be at least 64, got {}",
+            args.chunk_tokens
+        );
+    }
+    Ok(())
+}
+
+/// The requested device; by default the first GPU when the binary has CUDA and one is present.
+fn select_device(requested: Option<DeviceArg>) -> Result<Device> {
+    match requested {
+        Some(DeviceArg::Cpu) => Ok(Device::Cpu),
+        Some(DeviceArg::Cuda) if !candle_core::utils::cuda_is_available() => bad_input!(
+            "--device cuda: this binary was built without CUDA; rebuild with `--features cuda`"
+        ),
+        Some(DeviceArg::Cuda) => match Device::new_cuda(0) {
+            Ok(device) => Ok(device),
+            Err(e) => bad_input!("--device cuda: no usable GPU: {e}"),
+        },
+        None if candle_core::utils::cuda_is_available() => {
+            Ok(Device::new_cuda(0).unwrap_or(Device::Cpu))
+        }
+        None => Ok(Device::Cpu),
+    }
+}
+
+fn device_name(device: &Device) -> String {
+    if device.is_cuda() {
+        "cuda:0".to_string()
+    } else if device.is_metal() {
+        "metal".to_string()
+    } else {
+        "cpu".to_string()
+    }
+}
+
+fn file_name(path: &std::path::Path) -> String {
+    path.file_name()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| path.to_path_buf())
+        .display()
+        .to_string()
+}

@@ -1,0 +1,137 @@
+//! The progress bar on stderr, and the observer that streams the final summary to stdout.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::generation::GenerationObserver;
+
+/// One bar for the whole run. Its length is the number of prompt tokens to read, so it moves
+/// with prefill, the bulk of the work; the message says which step runs and how fast.
+pub struct Progress {
+    bar: ProgressBar,
+    step: String,
+    /// Whether the bar shows token counts yet (it is a plain spinner while the model loads).
+    counting: bool,
+}
+
+impl Progress {
+    /// A bar on stderr, or a hidden one when `quiet`. indicatif draws nothing when stderr is not
+    /// a terminal, so logs and pipes stay clean.
+    pub fn new(quiet: bool) -> Self {
+        let target = if quiet {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        };
+        let bar = ProgressBar::with_draw_target(Some(0), target);
+        bar.set_style(style("{spinner} [{elapsed_precise}] {msg}"));
+        bar.enable_steady_tick(Duration::from_millis(200));
+        Self {
+            bar,
+            step: String::new(),
+            counting: false,
+        }
+    }
+
+    /// Shows what runs now, e.g. "part 2/5".
+    pub fn set_step(&mut self, step: impl Into<String>) {
+        self.step = step.into();
+        self.bar.set_message(self.step.clone());
+    }
+
+    /// Adds prompt tokens that will be read.
+    pub fn add_work(&mut self, tokens: usize) {
+        if !self.counting {
+            self.bar.set_style(
+                style("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} prompt tokens  {msg}")
+                    .progress_chars("=> "),
+            );
+            self.counting = true;
+        }
+        self.bar.inc_length(tokens as u64);
+    }
+
+    /// Removes the bar from the terminal.
+    pub fn clear(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+fn style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template).expect("the progress templates are valid")
+}
+
+impl GenerationObserver for Progress {
+    fn prefilled(&mut self, tokens: usize, tokens_per_s: f64) {
+        self.bar.inc(tokens as u64);
+        self.bar
+            .set_message(format!("{}: reading at {tokens_per_s:.0} tok/s", self.step));
+    }
+
+    fn generated(&mut self, _text: &str, generated: usize, tokens_per_s: f64) -> Result<()> {
+        self.bar.set_message(format!(
+            "{}: writing, {generated} tokens at {tokens_per_s:.1} tok/s",
+            self.step
+        ));
+        Ok(())
+    }
+}
+
+/// Shows prefill progress, then clears the bar and prints the answer token by token.
+pub struct StreamToStdout<'p> {
+    progress: &'p mut Progress,
+    started: bool,
+    wrote_text: bool,
+}
+
+impl<'p> StreamToStdout<'p> {
+    pub fn new(progress: &'p mut Progress) -> Self {
+        Self {
+            progress,
+            started: false,
+            wrote_text: false,
+        }
+    }
+
+    /// Ends the streamed text with a newline, if anything was printed.
+    pub fn finish(&mut self) -> Result<()> {
+        if self.wrote_text {
+            let mut out = std::io::stdout().lock();
+            writeln!(out)
+                .and_then(|()| out.flush())
+                .context("writing to stdout")?;
+        }
+        Ok(())
+    }
+}
+
+impl GenerationObserver for StreamToStdout<'_> {
+    fn prefilled(&mut self, tokens: usize, tokens_per_s: f64) {
+        self.progress.prefilled(tokens, tokens_per_s);
+    }
+
+    fn generated(&mut self, text: &str, _generated: usize, _tokens_per_s: f64) -> Result<()> {
+        if !self.started {
+            // The bar would redraw over the text on a shared terminal.
+            self.progress.clear();
+            self.started = true;
+        }
+        // Answers often open with whitespace; skip it, as the returned text is trimmed too.
+        let text = if self.wrote_text {
+            text
+        } else {
+            text.trim_start()
+        };
+        if text.is_empty() {
+            return Ok(());
+        }
+        self.wrote_text = true;
+        let mut out = std::io::stdout().lock();
+        out.write_all(text.as_bytes())
+            .and_then(|()| out.flush())
+            .context("writing to stdout")
+    }
+}

@@ -1,0 +1,62 @@
+//! The statistics of a run: one line for people, one JSON object for programs.
+
+use serde_json::{json, Value};
+
+use crate::map_reduce::Summary;
+
+/// Where and how the summary was made, next to what [`Summary`] counted.
+pub struct RunInfo {
+    pub model: String,
+    pub device: String,
+    pub attention: &'static str,
+    pub elapsed_secs: f64,
+}
+
+fn per_second(tokens: usize, secs: f64) -> f64 {
+    if secs > 0.0 {
+        tokens as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// The one-line summary of the run, for stderr.
+pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
+    let t = &summary.timing;
+    format!(
+        "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s | \
+         attention {} | device {} | {:.1} s",
+        summary.document_tokens,
+        summary.chunks,
+        if summary.chunks == 1 { "" } else { "s" },
+        per_second(t.prefill_tokens, t.prefill_secs),
+        per_second(t.decode_tokens, t.decode_secs),
+        info.attention,
+        info.device,
+        info.elapsed_secs,
+    )
+}
+
+/// The summary and the statistics as one JSON object.
+pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
+    let t = &summary.timing;
+    json!({
+        "summary": summary.text,
+        "stats": {
+            "document_tokens": summary.document_tokens,
+            "chunks": summary.chunks,
+            "extra_merge_rounds": summary.extra_rounds,
+            "generations": summary.generations,
+            "prefill_tokens": t.prefill_tokens,
+            "prefill_seconds": t.prefill_secs,
+            "prefill_tokens_per_second": per_second(t.prefill_tokens, t.prefill_secs),
+            "decode_tokens": t.decode_tokens,
+            "decode_seconds": t.decode_secs,
+            "decode_tokens_per_second": per_second(t.decode_tokens, t.decode_secs),
+            "attention": info.attention,
+            "device": info.device,
+            "model": info.model,
+            "elapsed_seconds": info.elapsed_secs,
+        }
+    })
+}

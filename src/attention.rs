@@ -1,0 +1,403 @@
+//! Attention over a [`KvCache`], the drop-in piece for candle models.
+//!
+//! A model computes q, k and v, applies RoPE, and hands them to [`CachedAttention::forward`]
+//! together with the layer's cache. The new keys and values are written into the cache in place;
+//! then a prompt (`t > 1` new tokens) runs causal attention and a decode step (`t == 1`) runs the
+//! split-KV op over the cache views, with no copy of the cache.
+
+use candle_core::{bail, DType, Result, Tensor};
+
+use crate::cache::KvCache;
+
+/// Which attention runs over the cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionBackend {
+    /// Decode with the split-KV op; prefill with a blocked causal attention that skips the
+    /// masked half and shares K/V across each GQA group.
+    #[default]
+    SplitKv,
+    /// Candle's naive attention (repeat K/V per query head, full score matrix, mask, softmax),
+    /// for A/B checks. It still reads the same cache.
+    Naive,
+}
+
+/// Query rows per block of the causal prefill: large enough for efficient matmuls, small
+/// enough that the diagonal block (half of it masked) is a small share of the work.
+const DEFAULT_PREFILL_BLOCK: usize = 256;
+
+/// Causal attention of new tokens over a [`KvCache`].
+///
+/// - q: `(batch, t, q_heads, head_dim)`, k and v: `(batch, t, kv_heads, head_dim)`, all after
+///   RoPE, in the cache's dtype. `q_heads` must be a multiple of `kv_heads`.
+/// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
+///
+/// Token `i` of sequence `s` sits at position `cache.seq_lens()[s] + i` (before the call) and
+/// attends to every cached position up to and including its own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CachedAttention {
+    pub softmax_scale: f32,
+    pub backend: AttentionBackend,
+    /// Query rows per block of the causal prefill.
+    pub prefill_block: usize,
+}
+
+/// Runs [`CachedAttention`] with the default (split-KV) backend.
+pub fn cached_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cache: &mut KvCache,
+    softmax_scale: f32,
+) -> Result<Tensor> {
+    CachedAttention::new(softmax_scale).forward(q, k, v, cache)
+}
+
+impl CachedAttention {
+    pub fn new(softmax_scale: f32) -> Self {
+        Self {
+            softmax_scale,
+            backend: AttentionBackend::SplitKv,
+            prefill_block: DEFAULT_PREFILL_BLOCK,
+        }
+    }
+
+    pub fn with_backend(mut self, backend: AttentionBackend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// Appends k and v to the cache, then attends q over it (see the type's docs).
+    pub fn forward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (batch, t, q_heads, head_dim) = q.dims4().map_err(|_| {
+            candle_core::Error::Msg(format!(
+                "cached attention: q must be (batch, t, q_heads, head_dim), got {:?}",
+                q.dims()
+            ))
+        })?;
+        if t == 0 {
+            bail!("cached attention: q has no tokens (shape {:?})", q.dims())
+        }
+        if k.dims4()? != (batch, t, cache.kv_heads(), head_dim) || k.dims() != v.dims() {
+            bail!(
+                "cached attention: k and v must be (batch, t, kv_heads, head_dim) = ({batch}, {t}, {}, \
+                 {head_dim}) to match q {:?} and the cache, got k {:?} and v {:?}",
+                cache.kv_heads(),
+                q.dims(),
+                k.dims(),
+                v.dims()
+            )
+        }
+        if q_heads % cache.kv_heads() != 0 {
+            bail!(
+                "cached attention: q_heads ({q_heads}) must be a multiple of kv_heads ({})",
+                cache.kv_heads()
+            )
+        }
+        if batch != cache.batch() {
+            bail!(
+                "cached attention: q has batch {batch}, the cache holds {} sequences",
+                cache.batch()
+            )
+        }
+        if self.prefill_block == 0 {
+            bail!("cached attention: prefill_block must be at least 1")
+        }
+
+        if cache.is_uniform() {
+            let past = cache.len();
+            let (k_all, v_all) = cache.append(k, v)?;
+            return self.attend(q, &k_all, &v_all, past);
+        }
+        if t == 1 && self.uses_split_kv(head_dim) {
+            // Ragged decode: one op call, each sequence masked to its own length.
+            let (k_all, v_all) = cache.append(k, v)?;
+            let lens = cache.seq_lens_tensor()?;
+            return crate::flash_decode_varlen(q, &k_all, &v_all, &lens, self.softmax_scale);
+        }
+        // Ragged prefill: sequence by sequence, each over its own cached prefix.
+        let outs = (0..batch)
+            .map(|seq| {
+                let past = cache.seq_lens()[seq];
+                let (k_all, v_all) =
+                    cache.append_to(seq, &k.narrow(0, seq, 1)?, &v.narrow(0, seq, 1)?)?;
+                self.attend(&q.narrow(0, seq, 1)?, &k_all, &v_all, past)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&outs, 0)
+    }
+
+    fn uses_split_kv(&self, head_dim: usize) -> bool {
+        self.backend == AttentionBackend::SplitKv && crate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
+    }
+
+    /// q `(b, t, h_q, d)` over all of `k_all`/`v_all` `(b, past + t, h_kv, d)`, causally.
+    fn attend(&self, q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize) -> Result<Tensor> {
+        let (_, t, _, head_dim) = q.dims4()?;
+        match self.backend {
+            AttentionBackend::SplitKv if t == 1 && self.uses_split_kv(head_dim) => {
+                crate::flash_decode(q, k_all, v_all, self.softmax_scale)
+            }
+            AttentionBackend::SplitKv => blocked_causal(
+                q,
+                k_all,
+                v_all,
+                past,
+                self.softmax_scale,
+                self.prefill_block,
+            ),
+            AttentionBackend::Naive => naive(q, k_all, v_all, past, self.softmax_scale),
+        }
+    }
+}
+
+/// Causal attention in blocks of query rows. Block `[s, s + n)` scores only the keys it can see,
+/// `[0, past + s + n)`, so the masked upper triangle beyond the diagonal block is never computed.
+/// The query heads of a GQA group are stacked as rows of one matmul against their shared K/V,
+/// so K/V are never repeated per head. Computes in f32.
+fn blocked_causal(
+    q: &Tensor,
+    k_all: &Tensor,
+    v_all: &Tensor,
+    past: usize,
+    scale: f32,
+    block: usize,
+) -> Result<Tensor> {
+    let (b, t, q_heads, d) = q.dims4()?;
+    let out_dtype = q.dtype();
+    let kv_heads = k_all.dim(2)?;
+    let group = q_heads / kv_heads;
+    // (b, kv_heads, t, group, d): rows of a block are (position, group member).
+    let q = (q.to_dtype(DType::F32)? * f64::from(scale))?
+        .reshape((b, t, kv_heads, group, d))?
+        .transpose(1, 2)?
+        .contiguous()?;
+    // Head-major views of the cache; `to_dtype` copies only when the cache is not f32.
+    let k = k_all.transpose(1, 2)?.to_dtype(DType::F32)?;
+    let v = v_all.transpose(1, 2)?.to_dtype(DType::F32)?;
+    let device = q.device();
+    let neg_inf = Tensor::new(f32::NEG_INFINITY, device)?;
+
+    let mut outs = Vec::with_capacity(t.div_ceil(block));
+    for start in (0..t).step_by(block) {
+        let n = block.min(t - start);
+        let visible = past + start + n;
+        let q_block = q
+            .narrow(2, start, n)?
+            .reshape((b, kv_heads, n * group, d))?;
+        let k_block = k.narrow(2, 0, visible)?;
+        let v_block = v.narrow(2, 0, visible)?;
+        let scores = q_block
+            .matmul(&k_block.t()?)?
+            .reshape((b, kv_heads, n, group, visible))?;
+        // Row i of the block (position past + start + i) sees columns 0..=past + start + i.
+        let cols = Tensor::arange(0u32, visible as u32, device)?.reshape((1, 1, visible))?;
+        let first_hidden = Tensor::arange(
+            (past + start + 1) as u32,
+            (past + start + n + 1) as u32,
+            device,
+        )?
+        .reshape((n, 1, 1))?;
+        let hidden = cols.broadcast_ge(&first_hidden)?;
+        let scores = hidden
+            .broadcast_as(scores.shape())?
+            .where_cond(&neg_inf.broadcast_as(scores.shape())?, &scores)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs
+            .reshape((b, kv_heads, n * group, visible))?
+            .matmul(&v_block)?
+            .reshape((b, kv_heads, n, group, d))?;
+        outs.push(out);
+    }
+    Tensor::cat(&outs, 2)?
+        .transpose(1, 2)?
+        .reshape((b, t, q_heads, d))?
+        .to_dtype(out_dtype)
+}
+
+/// Candle's naive attention: K/V repeated per query head, full `(t, past + t)` scores, causal mask
+/// when `t > 1`, softmax, in f32.
+fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) -> Result<Tensor> {
+    let (b, t, q_heads, d) = q.dims4()?;
+    let out_dtype = q.dtype();
+    let kv_len = k_all.dim(1)?;
+    let group = q_heads / k_all.dim(2)?;
+    let q = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
+    let k = candle_transformers::utils::repeat_kv(k_all.transpose(1, 2)?, group)?
+        .to_dtype(DType::F32)?;
+    let v = candle_transformers::utils::repeat_kv(v_all.transpose(1, 2)?, group)?
+        .to_dtype(DType::F32)?
+        .contiguous()?;
+    let scores = (q.matmul(&k.t()?)? * f64::from(scale))?;
+    let scores = if t > 1 {
+        let cols = Tensor::arange(0u32, kv_len as u32, q.device())?.reshape((1, kv_len))?;
+        let first_hidden = Tensor::arange((past + 1) as u32, (past + t + 1) as u32, q.device())?
+            .reshape((t, 1))?;
+        let hidden = cols
+            .broadcast_ge(&first_hidden)?
+            .broadcast_as(scores.shape())?;
+        let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.broadcast_as(scores.shape())?;
+        hidden.where_cond(&neg_inf, &scores)?
+    } else {
+        scores
+    };
+    let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+    probs
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .reshape((b, t, q_heads, d))?
+        .to_dtype(out_dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::KvCacheConfig;
+    use candle_core::Device;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    fn cache(batch: usize, kv_heads: usize, d: usize) -> Result<KvCache> {
+        KvCache::new(&KvCacheConfig {
+            batch,
+            kv_heads,
+            head_dim: d,
+            initial_capacity: 8,
+            max_capacity: 1024,
+            dtype: DType::F32,
+            device: Device::Cpu,
+        })
+    }
+
+    /// Plain per-query-head causal attention, computed one query row at a time.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+        let (b, t, h_q, d) = q.dims4()?;
+        let h_kv = k.dim(2)?;
+        let past = k.dim(1)? - t;
+        let mut rows = Vec::new();
+        for bi in 0..b {
+            for i in 0..t {
+                for h in 0..h_q {
+                    let g = h / (h_q / h_kv);
+                    let qv = q.get(bi)?.get(i)?.get(h)?; // (d,)
+                    let keys = k
+                        .get(bi)?
+                        .narrow(0, 0, past + i + 1)?
+                        .narrow(1, g, 1)?
+                        .squeeze(1)?;
+                    let vals = v
+                        .get(bi)?
+                        .narrow(0, 0, past + i + 1)?
+                        .narrow(1, g, 1)?
+                        .squeeze(1)?;
+                    let s = (keys.matmul(&qv.unsqueeze(1)?)?.squeeze(1)? * f64::from(scale))?;
+                    let p = candle_nn::ops::softmax_last_dim(&s.unsqueeze(0)?)?;
+                    rows.push(p.matmul(&vals)?.squeeze(0)?);
+                }
+            }
+        }
+        Tensor::stack(&rows, 0)?.reshape((b, t, h_q, d))
+    }
+
+    fn run(backend: AttentionBackend, block: usize) -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h_q, h_kv, d) = (2, 6, 2, 64);
+        let scale = 1.0 / 8.0;
+        let mut cache = cache(b, h_kv, d)?;
+        let attn = CachedAttention {
+            prefill_block: block,
+            ..CachedAttention::new(scale).with_backend(backend)
+        };
+        let mut all_k = Vec::new();
+        let mut all_v = Vec::new();
+        // A prompt, a second prompt chunk on top of it, then two decode steps.
+        for t in [13, 7, 1, 1] {
+            let q = Tensor::randn(0f32, 1.0, (b, t, h_q, d), &dev)?;
+            let k = Tensor::randn(0f32, 1.0, (b, t, h_kv, d), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (b, t, h_kv, d), &dev)?;
+            all_k.push(k.clone());
+            all_v.push(v.clone());
+            let out = attn.forward(&q, &k, &v, &mut cache)?;
+            let expected = reference(
+                &q,
+                &Tensor::cat(&all_k, 1)?,
+                &Tensor::cat(&all_v, 1)?,
+                scale,
+            )?;
+            assert_eq!(out.dims(), [b, t, h_q, d]);
+            let diff = max_abs_diff(&out, &expected)?;
+            assert!(diff < 1e-5, "{backend:?} block {block} t {t}: diff {diff}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn split_kv_backend_matches_reference_across_block_sizes() -> Result<()> {
+        for block in [1, 4, 13, 256] {
+            run(AttentionBackend::SplitKv, block)?;
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn naive_backend_matches_reference() -> Result<()> {
+        run(AttentionBackend::Naive, DEFAULT_PREFILL_BLOCK)
+    }
+
+    #[test]
+    fn ragged_batch_attends_each_sequence_over_its_own_length() -> Result<()> {
+        let dev = Device::Cpu;
+        let (h_q, h_kv, d) = (4, 2, 64);
+        let scale = 0.125;
+        for backend in [AttentionBackend::SplitKv, AttentionBackend::Naive] {
+            let attn = CachedAttention::new(scale).with_backend(backend);
+            let mut batched = cache(2, h_kv, d)?;
+            let mut singles = [cache(1, h_kv, d)?, cache(1, h_kv, d)?];
+            // Prompts of 5 and 9 tokens, one sequence at a time.
+            for (seq, len) in [(0, 5), (1, 9)] {
+                let k = Tensor::randn(0f32, 1.0, (1, len, h_kv, d), &dev)?;
+                let v = Tensor::randn(0f32, 1.0, (1, len, h_kv, d), &dev)?;
+                batched.append_to(seq, &k, &v)?;
+                singles[seq].append(&k, &v)?;
+            }
+            for t in [1, 3] {
+                let q = Tensor::randn(0f32, 1.0, (2, t, h_q, d), &dev)?;
+                let k = Tensor::randn(0f32, 1.0, (2, t, h_kv, d), &dev)?;
+                let v = Tensor::randn(0f32, 1.0, (2, t, h_kv, d), &dev)?;
+                let out = attn.forward(&q, &k, &v, &mut batched)?;
+                for (seq, single) in singles.iter_mut().enumerate() {
+                    let one = |x: &Tensor| x.narrow(0, seq, 1);
+                    let expected = attn.forward(&one(&q)?, &one(&k)?, &one(&v)?, single)?;
+                    let diff = max_abs_diff(&one(&out)?, &expected)?;
+                    assert!(diff < 1e-6, "{backend:?} t {t} seq {seq}: diff {diff}");
+                }
+            }
+            assert_eq!(batched.seq_lens(), [9, 13]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rejects_mismatched_shapes() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut cache = cache(1, 2, 64)?;
+        let q = Tensor::zeros((1, 3, 4, 64), DType::F32, &dev)?;
+        let k = Tensor::zeros((1, 2, 2, 64), DType::F32, &dev)?;
+        let err = cached_attention(&q, &k, &k, &mut cache, 0.1).unwrap_err();
+        assert!(
+            err.to_string().contains("(batch, t, kv_heads, head_dim)"),
+            "{err}"
+        );
+        let q = Tensor::zeros((1, 2, 3, 64), DType::F32, &dev)?;
+        assert!(cached_attention(&q, &k, &k, &mut cache, 0.1).is_err());
+        assert!(cache.is_empty());
+        Ok(())
+    }
+}

@@ -1,0 +1,464 @@
+//! `KvCache`: a preallocated, head-major key/value cache for one attention layer.
+//!
+//! Storage is `(batch, kv_heads, capacity, head_dim)` in the model's dtype, on the model's device.
+//! New keys and values are written in place, so a decode step costs O(new tokens) copies, not
+//! O(context). Views `(batch, len, kv_heads, head_dim)` (a narrow plus a transpose, no copy) go
+//! straight into [`crate::flash_decode`]. The capacity doubles when it runs out, the only time the
+//! cached data is copied, up to a fixed maximum; past it `append` fails instead of truncating.
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+/// Sizes and placement of a [`KvCache`].
+#[derive(Debug, Clone)]
+pub struct KvCacheConfig {
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions allocated up front, per sequence.
+    pub initial_capacity: usize,
+    /// Positions the cache may grow to, per sequence (usually the model's context length).
+    pub max_capacity: usize,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+/// Keys and values of one attention layer, for a batch of sequences.
+///
+/// Every sequence has its own length: [`KvCache::append`] writes each sequence's new positions
+/// right after its own last one, and [`KvCache::append_to`] extends a single sequence (for
+/// prompts of different lengths). Views span the longest sequence; positions of a shorter
+/// sequence past its length hold stale data and must be masked, e.g. with
+/// [`crate::flash_decode_varlen`] and [`KvCache::seq_lens_tensor`].
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    k: Tensor,
+    v: Tensor,
+    seq_lens: Vec<usize>,
+    max_capacity: usize,
+}
+
+impl KvCache {
+    /// Allocates the cache with `config.initial_capacity` positions per sequence (at least 1, at
+    /// most `config.max_capacity`), filled with zeros.
+    pub fn new(config: &KvCacheConfig) -> Result<Self> {
+        let KvCacheConfig {
+            batch,
+            kv_heads,
+            head_dim,
+            initial_capacity,
+            max_capacity,
+            dtype,
+            ref device,
+        } = *config;
+        if batch == 0 || kv_heads == 0 || head_dim == 0 || max_capacity == 0 {
+            bail!(
+                "kv cache: batch ({batch}), kv_heads ({kv_heads}), head_dim ({head_dim}) and \
+                 max_capacity ({max_capacity}) must all be at least 1"
+            )
+        }
+        let capacity = initial_capacity.clamp(1, max_capacity);
+        let k = Tensor::zeros((batch, kv_heads, capacity, head_dim), dtype, device)?;
+        let v = k.zeros_like()?;
+        Ok(Self {
+            k,
+            v,
+            seq_lens: vec![0; batch],
+            max_capacity,
+        })
+    }
+
+    pub fn batch(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    pub fn kv_heads(&self) -> usize {
+        self.k.dims()[1]
+    }
+
+    /// Positions allocated per sequence.
+    pub fn capacity(&self) -> usize {
+        self.k.dims()[2]
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.k.dims()[3]
+    }
+
+    pub fn max_capacity(&self) -> usize {
+        self.max_capacity
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.k.dtype()
+    }
+
+    pub fn device(&self) -> &Device {
+        self.k.device()
+    }
+
+    /// The length of the longest sequence: the `kv_len` of the views.
+    pub fn len(&self) -> usize {
+        self.seq_lens.iter().copied().max().unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Cached positions of each sequence.
+    pub fn seq_lens(&self) -> &[usize] {
+        &self.seq_lens
+    }
+
+    /// Whether all sequences have the same length (then views need no masking).
+    pub fn is_uniform(&self) -> bool {
+        self.seq_lens.windows(2).all(|w| w[0] == w[1])
+    }
+
+    /// The sequence lengths as a u32 `(batch,)` tensor on the cache's device, the form
+    /// [`crate::flash_decode_varlen`] takes.
+    pub fn seq_lens_tensor(&self) -> Result<Tensor> {
+        let lens = self
+            .seq_lens
+            .iter()
+            .map(|&len| u32::try_from(len))
+            .collect::<std::result::Result<Vec<u32>, _>>()
+            .map_err(candle_core::Error::wrap)?;
+        Tensor::from_vec(lens, self.batch(), self.device())
+    }
+
+    /// Forgets every cached position, keeping the allocation.
+    pub fn reset(&mut self) {
+        self.seq_lens.fill(0);
+    }
+
+    /// Appends `t` new positions to every sequence; `k_new` and `v_new` are
+    /// `(batch, t, kv_heads, head_dim)`. Returns the views after the append.
+    pub fn append(&mut self, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = self.check_new("append", k_new, v_new, self.batch())?;
+        let needed = self.len() + t;
+        self.reserve(needed)?;
+        let (k_new, v_new) = (head_major(k_new)?, head_major(v_new)?);
+        if self.is_uniform() {
+            let at = self.len();
+            self.k.slice_set(&k_new, 2, at)?;
+            self.v.slice_set(&v_new, 2, at)?;
+        } else {
+            for (seq, &at) in self.seq_lens.iter().enumerate() {
+                // Narrowing the batch dim of contiguous storage keeps it contiguous, so
+                // `slice_set` writes straight into this sequence's rows.
+                self.k.narrow(0, seq, 1)?.slice_set(
+                    &k_new.narrow(0, seq, 1)?.contiguous()?,
+                    2,
+                    at,
+                )?;
+                self.v.narrow(0, seq, 1)?.slice_set(
+                    &v_new.narrow(0, seq, 1)?.contiguous()?,
+                    2,
+                    at,
+                )?;
+            }
+        }
+        self.seq_lens.iter_mut().for_each(|len| *len += t);
+        self.views()
+    }
+
+    /// Appends `t` new positions to sequence `seq` only; `k_new` and `v_new` are
+    /// `(1, t, kv_heads, head_dim)`. Returns that sequence's views `(1, len, kv_heads, head_dim)`.
+    pub fn append_to(
+        &mut self,
+        seq: usize,
+        k_new: &Tensor,
+        v_new: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        if seq >= self.batch() {
+            bail!(
+                "kv cache: sequence {seq} is out of range, the cache holds {} sequences",
+                self.batch()
+            )
+        }
+        let t = self.check_new("append_to", k_new, v_new, 1)?;
+        let at = self.seq_lens[seq];
+        self.reserve(at + t)?;
+        self.k
+            .narrow(0, seq, 1)?
+            .slice_set(&head_major(k_new)?, 2, at)?;
+        self.v
+            .narrow(0, seq, 1)?
+            .slice_set(&head_major(v_new)?, 2, at)?;
+        self.seq_lens[seq] += t;
+        self.sequence_views(seq)
+    }
+
+    /// Keys and values `(batch, len, kv_heads, head_dim)` over the longest sequence, as strided
+    /// views of the storage.
+    pub fn views(&self) -> Result<(Tensor, Tensor)> {
+        let len = self.len();
+        Ok((
+            self.k.narrow(2, 0, len)?.transpose(1, 2)?,
+            self.v.narrow(2, 0, len)?.transpose(1, 2)?,
+        ))
+    }
+
+    /// Keys and values `(1, seq_len, kv_heads, head_dim)` of sequence `seq`, as strided views.
+    pub fn sequence_views(&self, seq: usize) -> Result<(Tensor, Tensor)> {
+        let Some(&len) = self.seq_lens.get(seq) else {
+            bail!(
+                "kv cache: sequence {seq} is out of range, the cache holds {} sequences",
+                self.batch()
+            )
+        };
+        let view = |x: &Tensor| x.narrow(0, seq, 1)?.narrow(2, 0, len)?.transpose(1, 2);
+        Ok((view(&self.k)?, view(&self.v)?))
+    }
+
+    /// Makes room for `needed` positions per sequence, doubling the capacity as often as needed
+    /// (capped at the maximum).
+    pub fn reserve(&mut self, needed: usize) -> Result<()> {
+        let capacity = self.capacity();
+        if needed <= capacity {
+            return Ok(());
+        }
+        if needed > self.max_capacity {
+            bail!(
+                "kv cache: {needed} positions needed but the maximum capacity is {} \
+                 (the model's context length); start a new sequence or reset the cache",
+                self.max_capacity
+            )
+        }
+        let mut new_capacity = capacity;
+        while new_capacity < needed {
+            new_capacity = new_capacity.saturating_mul(2);
+        }
+        let new_capacity = new_capacity.min(self.max_capacity);
+        let (b, h, _, d) = self.k.dims4()?;
+        let grow = |old: &Tensor| -> Result<Tensor> {
+            let new = Tensor::zeros((b, h, new_capacity, d), old.dtype(), old.device())?;
+            new.slice_set(old, 2, 0)?;
+            Ok(new)
+        };
+        self.k = grow(&self.k)?;
+        self.v = grow(&self.v)?;
+        Ok(())
+    }
+
+    /// Checks new keys/values against the cache; returns their number of positions.
+    fn check_new(&self, op: &str, k: &Tensor, v: &Tensor, batch: usize) -> Result<usize> {
+        let expected = (batch, self.kv_heads(), self.head_dim());
+        for (name, x) in [("k", k), ("v", v)] {
+            let (b, _t, h, d) = x.dims4().map_err(|_| {
+                candle_core::Error::Msg(format!(
+                    "kv cache {op}: {name} must be (batch, t, kv_heads, head_dim) = ({}, t, {}, {}), \
+                     got {:?}",
+                    expected.0,
+                    expected.1,
+                    expected.2,
+                    x.dims()
+                ))
+            })?;
+            if (b, h, d) != expected {
+                bail!(
+                    "kv cache {op}: {name} must be (batch, t, kv_heads, head_dim) = ({}, t, {}, {}), \
+                     got {:?}",
+                    expected.0,
+                    expected.1,
+                    expected.2,
+                    x.dims()
+                )
+            }
+            if x.dtype() != self.dtype() {
+                bail!(
+                    "kv cache {op}: {name} has dtype {:?}, the cache holds {:?}",
+                    x.dtype(),
+                    self.dtype()
+                )
+            }
+            if !x.device().same_device(self.device()) {
+                bail!(
+                    "kv cache {op}: {name} is on {:?}, the cache is on {:?}",
+                    x.device().location(),
+                    self.device().location()
+                )
+            }
+        }
+        if k.dims() != v.dims() {
+            bail!(
+                "kv cache {op}: k and v must have the same shape, got {:?} and {:?}",
+                k.dims(),
+                v.dims()
+            )
+        }
+        Ok(k.dims()[1])
+    }
+}
+
+/// `(b, t, h, d)` → contiguous `(b, h, t, d)`, the storage layout (a copy of the new rows only).
+fn head_major(x: &Tensor) -> Result<Tensor> {
+    x.transpose(1, 2)?.contiguous()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::IndexOp;
+
+    fn config(batch: usize, initial: usize, max: usize) -> KvCacheConfig {
+        KvCacheConfig {
+            batch,
+            kv_heads: 2,
+            head_dim: 4,
+            initial_capacity: initial,
+            max_capacity: max,
+            dtype: DType::F32,
+            device: Device::Cpu,
+        }
+    }
+
+    /// `(b, t, 2, 4)` with distinct values starting at `start`.
+    fn rows(b: usize, t: usize, start: f32) -> Result<Tensor> {
+        let n = b * t * 8;
+        Tensor::arange(start, start + n as f32, &Device::Cpu)?.reshape((b, t, 2, 4))
+    }
+
+    #[test]
+    fn appends_in_place_and_views_match_the_concatenation() -> Result<()> {
+        let mut cache = KvCache::new(&config(2, 8, 64))?;
+        let a = rows(2, 3, 0.0)?;
+        let b = rows(2, 1, 1000.0)?;
+        cache.append(&a, &(&a + 0.5)?)?;
+        // A clone shares the storage: if the append writes in place, the clone sees the new rows.
+        let storage_before = cache.k.clone();
+        let (k, v) = cache.append(&b, &(&b + 0.5)?)?;
+        let seen = storage_before.narrow(2, 3, 1)?.transpose(1, 2)?;
+        assert_eq!(
+            seen.flatten_all()?.to_vec1::<f32>()?,
+            b.flatten_all()?.to_vec1::<f32>()?,
+            "append did not write into the existing storage"
+        );
+        assert_eq!(k.dims(), [2, 4, 2, 4]);
+        assert_eq!(k.stride()[3], 1);
+        let expected = Tensor::cat(&[&a, &b], 1)?;
+        let diff = (k - &expected)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        let diff = (v - (expected + 0.5)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        assert_eq!(cache.len(), 4);
+        assert_eq!(cache.seq_lens(), [4, 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn grows_by_doubling_and_keeps_the_data() -> Result<()> {
+        let mut cache = KvCache::new(&config(1, 2, 100))?;
+        let mut all = Vec::new();
+        for step in 0..5 {
+            let x = rows(1, 1, 100.0 * step as f32)?;
+            cache.append(&x, &x)?;
+            all.push(x);
+        }
+        assert_eq!(cache.capacity(), 8);
+        let (k, _) = cache.views()?;
+        let expected = Tensor::cat(&all, 1)?;
+        assert_eq!(
+            k.flatten_all()?.to_vec1::<f32>()?,
+            expected.flatten_all()?.to_vec1::<f32>()?
+        );
+        // A long append jumps straight to the capacity it needs, capped at the maximum.
+        let x = rows(1, 90, 0.0)?;
+        cache.append(&x, &x)?;
+        assert_eq!(cache.capacity(), 100);
+        assert_eq!(cache.len(), 95);
+        Ok(())
+    }
+
+    #[test]
+    fn errors_past_the_maximum_capacity() -> Result<()> {
+        let mut cache = KvCache::new(&config(1, 4, 6))?;
+        let x = rows(1, 5, 0.0)?;
+        cache.append(&x, &x)?;
+        let err = cache
+            .append(&rows(1, 2, 0.0)?, &rows(1, 2, 0.0)?)
+            .unwrap_err();
+        assert!(err.to_string().contains("maximum capacity is 6"), "{err}");
+        assert_eq!(cache.len(), 5, "a failed append must not change the length");
+        Ok(())
+    }
+
+    #[test]
+    fn rejects_mismatched_inputs() -> Result<()> {
+        let mut cache = KvCache::new(&config(1, 4, 8))?;
+        let good = rows(1, 1, 0.0)?;
+        let wrong_heads = Tensor::zeros((1, 1, 3, 4), DType::F32, &Device::Cpu)?;
+        assert!(cache.append(&wrong_heads, &wrong_heads).is_err());
+        assert!(cache.append(&good, &good.to_dtype(DType::F16)?).is_err());
+        assert!(cache.append(&good.to_dtype(DType::F16)?, &good).is_err());
+        let err = cache.append(&good.i((.., .., 0))?, &good).unwrap_err();
+        assert!(
+            err.to_string().contains("(batch, t, kv_heads, head_dim)"),
+            "{err}"
+        );
+        assert!(cache.append_to(1, &good, &good).is_err());
+        assert!(cache.is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn ragged_sequences_append_at_their_own_lengths() -> Result<()> {
+        let mut cache = KvCache::new(&config(2, 2, 16))?;
+        let a0 = rows(1, 3, 0.0)?;
+        let a1 = rows(1, 1, 500.0)?;
+        cache.append_to(0, &a0, &a0)?;
+        cache.append_to(1, &a1, &a1)?;
+        assert_eq!(cache.seq_lens(), [3, 1]);
+        assert!(!cache.is_uniform());
+        assert_eq!(cache.seq_lens_tensor()?.to_vec1::<u32>()?, [3, 1]);
+        let step = rows(2, 1, 900.0)?;
+        let (k, _) = cache.append(&step, &step)?;
+        assert_eq!(cache.seq_lens(), [4, 2]);
+        assert_eq!(k.dims(), [2, 4, 2, 4]);
+        let seq0 = Tensor::cat(&[&a0, &step.i(0..1)?], 1)?;
+        let seq1 = Tensor::cat(&[&a1, &step.i(1..2)?], 1)?;
+        assert_eq!(
+            k.i((0..1, 0..4))?.flatten_all()?.to_vec1::<f32>()?,
+            seq0.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert_eq!(
+            k.i((1..2, 0..2))?.flatten_all()?.to_vec1::<f32>()?,
+            seq1.flatten_all()?.to_vec1::<f32>()?
+        );
+        let (k1, _) = cache.sequence_views(1)?;
+        assert_eq!(k1.dims(), [1, 2, 2, 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn reset_forgets_positions_and_views_feed_the_op() -> Result<()> {
+        let mut cache = KvCache::new(&KvCacheConfig {
+            head_dim: 64,
+            ..config(1, 16, 64)
+        })?;
+        let kv = Tensor::randn(0f32, 1.0, (1, 10, 2, 64), &Device::Cpu)?;
+        let (k, v) = cache.append(&kv, &kv)?;
+        let q = Tensor::randn(0f32, 1.0, (1, 1, 4, 64), &Device::Cpu)?;
+        let from_views = crate::flash_decode(&q, &k, &v, 0.125)?;
+        let from_copy = crate::flash_decode(&q, &kv, &kv, 0.125)?;
+        let diff = (from_views - from_copy)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert!(diff < 1e-6, "{diff}");
+        cache.reset();
+        assert!(cache.is_empty());
+        assert_eq!(cache.capacity(), 16);
+        Ok(())
+    }
+}

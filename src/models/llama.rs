@@ -1,0 +1,378 @@
+//! Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE with Llama 3 scaling) decoding through
+//! the split-KV op.
+//!
+//! Each layer applies RoPE as its own op, then hands q, k and v to [`CachedAttention`]: the
+//! prompt runs a blocked causal attention, each generated token runs the split-KV op over a
+//! [`KvCache`] that is appended in place. Weights load from an HF directory (config.json,
+//! tokenizer.json, *.safetensors) or from a GGUF file (tokenizer and chat template from its
+//! metadata); see [`Llama::load`].
+
+mod config;
+mod gguf;
+mod hf;
+mod rope;
+
+use std::path::Path;
+
+use candle_core::{bail, DType, Device, Module, Result, Tensor};
+use candle_nn::{Embedding, RmsNorm, VarBuilder};
+
+use super::linear::Linear;
+use crate::attention::CachedAttention;
+use crate::cache::{KvCache, KvCacheConfig};
+
+pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
+pub use crate::attention::AttentionBackend;
+pub use config::{LlamaConfig, RopeScaling};
+pub use rope::{RopeLayout, RotaryEmbedding};
+
+/// Positions each layer's cache holds before its first growth (capped at the context length).
+const DEFAULT_INITIAL_CACHE_CAPACITY: usize = 1024;
+
+/// Options of [`Llama::load_with`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadOptions {
+    pub backend: AttentionBackend,
+    /// Activation, cache and dense-weight dtype. `None`: f32 on the CPU; on other devices the
+    /// checkpoint's `torch_dtype` (bf16 when absent). GGUF models always run in f32.
+    pub dtype: Option<DType>,
+    /// How GGUF weight forms are chosen.
+    pub weight_forms: WeightFormPolicy,
+    /// Positions allocated per layer cache up front; the cache doubles from there.
+    pub initial_cache_capacity: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            backend: AttentionBackend::SplitKv,
+            dtype: None,
+            weight_forms: WeightFormPolicy::Measure,
+            initial_cache_capacity: DEFAULT_INITIAL_CACHE_CAPACITY,
+        }
+    }
+}
+
+/// A loaded model with what is needed to talk to it.
+pub struct LoadedModel {
+    pub model: Llama,
+    pub tokenizer: tokenizers::Tokenizer,
+    /// The Jinja chat template, when the checkpoint has one.
+    pub chat_template: Option<String>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+struct SelfAttention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl SelfAttention {
+    /// `x (b, t, hidden)` → `(b, t, hidden)`; appends this step's keys and values to `cache`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RotaryEmbedding,
+        attention: &CachedAttention,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let starts = cache.seq_lens().to_vec();
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape((b, t, self.q_heads, self.head_dim))?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape((b, t, self.kv_heads, self.head_dim))?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape((b, t, self.kv_heads, self.head_dim))?;
+        let q = rope.apply(&q, &starts)?;
+        let k = rope.apply(&k, &starts)?;
+        let y = attention.forward(&q, &k, &v, cache)?;
+        self.o_proj
+            .forward(&y.reshape((b, t, self.q_heads * self.head_dim))?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
+        self.down_proj
+            .forward(&gate.mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attention: SelfAttention,
+    post_attention_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// The weights of a model, however they were loaded.
+#[derive(Debug, Clone)]
+struct Weights {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+/// A Llama model with one KV cache per layer, for one sequence at a time.
+#[derive(Debug, Clone)]
+pub struct Llama {
+    config: LlamaConfig,
+    weights: Weights,
+    rope: RotaryEmbedding,
+    attention: CachedAttention,
+    caches: Vec<KvCache>,
+    dtype: DType,
+    device: Device,
+    weight_choices: Vec<WeightChoice>,
+}
+
+impl Llama {
+    /// Loads a GGUF file or an HF directory (config.json, tokenizer.json, *.safetensors) with
+    /// default options and the given attention backend.
+    pub fn load(path: &Path, device: &Device, backend: AttentionBackend) -> Result<LoadedModel> {
+        Self::load_with(
+            path,
+            device,
+            LoadOptions {
+                backend,
+                ..LoadOptions::default()
+            },
+        )
+    }
+
+    /// [`Llama::load`] with all options.
+    pub fn load_with(path: &Path, device: &Device, options: LoadOptions) -> Result<LoadedModel> {
+        if path.is_dir() {
+            hf::load(path, device, options)
+        } else if path.is_file() {
+            gguf::load(path, device, options)
+        } else {
+            bail!(
+                "llama: {} is neither a GGUF file nor an HF model directory",
+                path.display()
+            )
+        }
+    }
+
+    /// Builds the model from HF-named tensors (`model.embed_tokens.weight`,
+    /// `model.layers.{i}.self_attn.q_proj.weight`, …); `vb` must yield `dtype` tensors.
+    pub fn from_var_builder(
+        vb: VarBuilder,
+        config: LlamaConfig,
+        dtype: DType,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        config.validate()?;
+        let c = &config;
+        let dense = |vb: &VarBuilder, out: usize, inp: usize| -> Result<Linear> {
+            Ok(Linear::dense(vb.get((out, inp), "weight")?))
+        };
+        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(
+                vb.get(c.hidden_size, "weight")?,
+                c.rms_norm_eps,
+            ))
+        };
+        let embed = vb.get((c.vocab_size, c.hidden_size), "model.embed_tokens.weight")?;
+        let lm_head = if c.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+            Linear::dense(embed.clone())
+        } else {
+            dense(&vb.pp("lm_head"), c.vocab_size, c.hidden_size)?
+        };
+        let (q_size, kv_size) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let layers = (0..c.num_hidden_layers)
+            .map(|i| {
+                let vb = vb.pp(format!("model.layers.{i}"));
+                let attn = vb.pp("self_attn");
+                let mlp = vb.pp("mlp");
+                Ok(DecoderLayer {
+                    input_norm: norm(vb.pp("input_layernorm"))?,
+                    attention: SelfAttention {
+                        q_proj: dense(&attn.pp("q_proj"), q_size, c.hidden_size)?,
+                        k_proj: dense(&attn.pp("k_proj"), kv_size, c.hidden_size)?,
+                        v_proj: dense(&attn.pp("v_proj"), kv_size, c.hidden_size)?,
+                        o_proj: dense(&attn.pp("o_proj"), c.hidden_size, q_size)?,
+                        q_heads: c.num_attention_heads,
+                        kv_heads: c.num_key_value_heads,
+                        head_dim: c.head_dim,
+                    },
+                    post_attention_norm: norm(vb.pp("post_attention_layernorm"))?,
+                    mlp: Mlp {
+                        gate_proj: dense(&mlp.pp("gate_proj"), c.intermediate_size, c.hidden_size)?,
+                        up_proj: dense(&mlp.pp("up_proj"), c.intermediate_size, c.hidden_size)?,
+                        down_proj: dense(&mlp.pp("down_proj"), c.hidden_size, c.intermediate_size)?,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weights = Weights {
+            embed_tokens: Embedding::new(embed, c.hidden_size),
+            layers,
+            norm: norm(vb.pp("model.norm"))?,
+            lm_head,
+        };
+        let device = vb.device().clone();
+        Self::from_parts(
+            config,
+            weights,
+            RopeLayout::Halves,
+            None,
+            dtype,
+            &device,
+            options,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn from_parts(
+        config: LlamaConfig,
+        weights: Weights,
+        rope_layout: RopeLayout,
+        rope_freq_factors: Option<&[f32]>,
+        dtype: DType,
+        device: &Device,
+        options: LoadOptions,
+    ) -> Result<Self> {
+        let rope = RotaryEmbedding::new(&config, rope_freq_factors, rope_layout, dtype, device)?;
+        let cache_config = KvCacheConfig {
+            batch: 1,
+            kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+            initial_capacity: options.initial_cache_capacity,
+            max_capacity: config.max_position_embeddings,
+            dtype,
+            device: device.clone(),
+        };
+        let caches = (0..config.num_hidden_layers)
+            .map(|_| KvCache::new(&cache_config))
+            .collect::<Result<Vec<_>>>()?;
+        let scale = 1.0 / (config.head_dim as f32).sqrt();
+        Ok(Self {
+            attention: CachedAttention::new(scale).with_backend(options.backend),
+            config,
+            weights,
+            rope,
+            caches,
+            dtype,
+            device: device.clone(),
+            weight_choices: Vec::new(),
+        })
+    }
+
+    /// Runs `tokens` (one sequence) after what the cache already holds, appends them to the
+    /// cache, and returns the f32 logits `(vocab,)` of the last token.
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        if tokens.is_empty() {
+            bail!("llama forward: no tokens given")
+        }
+        if let Some(&bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            bail!(
+                "llama forward: token id {bad} is out of the vocabulary (size {})",
+                self.config.vocab_size
+            )
+        }
+        let needed = self.cache_len() + tokens.len();
+        if needed > self.context_length() {
+            bail!(
+                "llama forward: {} cached + {} new tokens exceed the context length {}",
+                self.cache_len(),
+                tokens.len(),
+                self.context_length()
+            )
+        }
+        let t = tokens.len();
+        let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
+        let mut x = self.weights.embed_tokens.forward(&input)?;
+        for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
+            let h = layer.input_norm.forward(&x)?;
+            let h = layer
+                .attention
+                .forward(&h, &self.rope, &self.attention, cache)?;
+            x = (x + h)?;
+            let h = layer.mlp.forward(&layer.post_attention_norm.forward(&x)?)?;
+            x = (x + h)?;
+        }
+        let last = self.weights.norm.forward(&x.narrow(1, t - 1, 1)?)?;
+        self.weights
+            .lm_head
+            .forward(&last)?
+            .flatten_all()?
+            .to_dtype(DType::F32)
+    }
+
+    /// Forgets the cached sequence.
+    pub fn reset(&mut self) {
+        self.caches.iter_mut().for_each(KvCache::reset);
+    }
+
+    /// The longest sequence the model handles (`max_position_embeddings`, GGUF `context_length`).
+    pub fn context_length(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    /// Tokens in the cache.
+    pub fn cache_len(&self) -> usize {
+        self.caches.first().map_or(0, KvCache::len)
+    }
+
+    pub fn backend(&self) -> AttentionBackend {
+        self.attention.backend
+    }
+
+    /// Switches the attention backend; the cache stays valid.
+    pub fn set_backend(&mut self, backend: AttentionBackend) {
+        self.attention.backend = backend;
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The per-layer caches, e.g. to fill them directly in benchmarks.
+    pub fn caches_mut(&mut self) -> &mut [KvCache] {
+        &mut self.caches
+    }
+
+    /// How the GGUF weight forms were chosen, with the timings; empty for dense checkpoints.
+    pub fn weight_choices(&self) -> &[WeightChoice] {
+        &self.weight_choices
+    }
+}

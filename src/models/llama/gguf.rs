@@ -1,0 +1,177 @@
+//! Loading a Llama from a GGUF file: hyper-parameters, tokenizer and chat template from the
+//! metadata, weights in the forms chosen by [`crate::models::weight_form`].
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{bail, DType, Device, Result};
+use candle_nn::{Embedding, RmsNorm};
+
+use super::{
+    DecoderLayer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout, SelfAttention,
+    Weights,
+};
+use crate::models::linear::Linear;
+use crate::models::weight_form::{self, WeightChoice, WeightForm};
+
+/// The per-layer matrices, by their GGUF names.
+const LAYER_MATRICES: [&str; 7] = [
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+];
+
+pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result<LoadedModel> {
+    if options.dtype.is_some_and(|d| d != DType::F32) {
+        bail!(
+            "llama: GGUF models run in f32, got dtype {:?}",
+            options.dtype
+        )
+    }
+    let file = File::open(path).map_err(|e| {
+        candle_core::Error::Msg(format!("llama: cannot open {}: {e}", path.display()))
+    })?;
+    let mut reader = BufReader::new(file);
+    let content = Content::read(&mut reader).map_err(|e| {
+        e.context(format!(
+            "llama: {} is not a readable GGUF file",
+            path.display()
+        ))
+    })?;
+    let config = LlamaConfig::from_gguf(&content)?;
+    let tokenizer = tokenizers::Tokenizer::from_gguf(&content)?;
+    let chat_template = content
+        .metadata
+        .get("tokenizer.chat_template")
+        .and_then(|v| v.to_string().ok())
+        .cloned();
+    let mut read = |name: &str| content.tensor(&mut reader, name, device);
+    let norm = |read: &mut dyn FnMut(&str) -> Result<QTensor>, name: &str| -> Result<RmsNorm> {
+        Ok(RmsNorm::new(
+            read(name)?.dequantize(device)?,
+            config.rms_norm_eps,
+        ))
+    };
+
+    // One measurement per stored type of the layer matrices, on the largest of that type.
+    let mut samples: HashMap<GgmlDType, (String, usize)> = HashMap::new();
+    for layer in 0..config.num_hidden_layers {
+        for matrix in LAYER_MATRICES {
+            let name = format!("blk.{layer}.{matrix}.weight");
+            let Some(info) = content.tensor_infos.get(&name) else {
+                bail!("llama: GGUF tensor {name} is missing")
+            };
+            let size = info.shape.elem_count();
+            let entry = samples
+                .entry(info.ggml_dtype)
+                .or_insert_with(|| (name.clone(), size));
+            if size > entry.1 {
+                *entry = (name, size);
+            }
+        }
+    }
+    let mut choices: Vec<WeightChoice> = Vec::new();
+    let mut plans = HashMap::new();
+    for (dtype, (name, _)) in &samples {
+        let choice = weight_form::choose(&read(name)?, options.weight_forms, device, false)?;
+        plans.insert(*dtype, choice.plan);
+        choices.push(choice);
+    }
+    choices.sort_by_key(|c| format!("{:?}", c.stored));
+
+    let token_embd = read("token_embd.weight")?;
+    let embeddings = token_embd.dequantize(device)?;
+    // The head only ever sees the last token, so only its single-row speed matters.
+    let (head_weight, tied) = match content.tensor_infos.contains_key("output.weight") {
+        true => (read("output.weight")?, false),
+        false => (token_embd, true),
+    };
+    let head_choice = weight_form::choose(&head_weight, options.weight_forms, device, true)?;
+    let lm_head = if tied && head_choice.plan.decode == WeightForm::DenseF32 {
+        Linear::dense(embeddings.clone()) // shares the embedding table
+    } else {
+        weight_form::linear(head_weight, head_choice.plan)?
+    };
+    choices.push(head_choice);
+
+    let mut layers = Vec::with_capacity(config.num_hidden_layers);
+    for layer in 0..config.num_hidden_layers {
+        let input_norm = norm(&mut read, &format!("blk.{layer}.attn_norm.weight"))?;
+        let post_attention_norm = norm(&mut read, &format!("blk.{layer}.ffn_norm.weight"))?;
+        let mut matrix = |name: &str| -> Result<Linear> {
+            let tensor = read(&format!("blk.{layer}.{name}.weight"))?;
+            match plans.get(&tensor.dtype()) {
+                Some(plan) => weight_form::linear(tensor, *plan),
+                None => bail!("llama: no weight plan for {:?}", tensor.dtype()),
+            }
+        };
+        layers.push(DecoderLayer {
+            input_norm,
+            attention: SelfAttention {
+                q_proj: matrix("attn_q")?,
+                k_proj: matrix("attn_k")?,
+                v_proj: matrix("attn_v")?,
+                o_proj: matrix("attn_output")?,
+                q_heads: config.num_attention_heads,
+                kv_heads: config.num_key_value_heads,
+                head_dim: config.head_dim,
+            },
+            post_attention_norm,
+            mlp: Mlp {
+                gate_proj: matrix("ffn_gate")?,
+                up_proj: matrix("ffn_up")?,
+                down_proj: matrix("ffn_down")?,
+            },
+        });
+    }
+    let final_norm = norm(&mut read, "output_norm.weight")?;
+    // Llama 3.1 GGUFs carry their long-context scaling as per-frequency divisors.
+    let rope_freq_factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
+        Some(dequantized_vec(&read("rope_freqs.weight")?)?)
+    } else {
+        None
+    };
+
+    let weights = Weights {
+        embed_tokens: Embedding::new(embeddings, config.hidden_size),
+        layers,
+        norm: final_norm,
+        lm_head,
+    };
+    let bos_token_id = config.bos_token_id;
+    let eos_token_ids = config.eos_token_ids.clone();
+    let mut model = Llama::from_parts(
+        config,
+        weights,
+        // GGUF llama q/k rows are permuted for interleaved pairs.
+        RopeLayout::Interleaved,
+        rope_freq_factors.as_deref(),
+        DType::F32,
+        device,
+        options,
+    )?;
+    model.weight_choices = choices;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+fn dequantized_vec(t: &QTensor) -> Result<Vec<f32>> {
+    t.dequantize(&Device::Cpu)?
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()
+}

@@ -1,0 +1,230 @@
+//! Rotary position embeddings, applied as their own op before attention.
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use super::config::{LlamaConfig, RopeScaling};
+
+/// How the two halves of each rotated pair are laid out in a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Pairs `(i, i + d/2)`: HF safetensors weights (`candle_nn::rotary_emb::rope`).
+    Halves,
+    /// Pairs `(2i, 2i + 1)`: GGUF llama weights, whose q/k rows are permuted for it
+    /// (`candle_nn::rotary_emb::rope_i`).
+    Interleaved,
+}
+
+/// cos/sin tables over the model's whole context.
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding {
+    cos: Tensor,
+    sin: Tensor,
+    layout: RopeLayout,
+}
+
+/// The inverse frequency of each rotated pair, with the config's long-context scaling and
+/// optional per-pair divisors (GGUF's `rope_freqs` tensor).
+pub fn inverse_frequencies(config: &LlamaConfig, freq_factors: Option<&[f32]>) -> Result<Vec<f64>> {
+    let d = config.head_dim;
+    let base = f64::from(config.rope_theta);
+    let mut inv_freq: Vec<f64> = (0..d / 2)
+        .map(|i| 1.0 / base.powf(2.0 * i as f64 / d as f64))
+        .collect();
+    match &config.rope_scaling {
+        None => {}
+        Some(RopeScaling::Linear { factor }) => {
+            inv_freq.iter_mut().for_each(|f| *f /= f64::from(*factor));
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        }) => {
+            let (factor, low, high) = (
+                f64::from(*factor),
+                f64::from(*low_freq_factor),
+                f64::from(*high_freq_factor),
+            );
+            let original = *original_max_position_embeddings as f64;
+            let (low_freq_wavelen, high_freq_wavelen) = (original / low, original / high);
+            for f in inv_freq.iter_mut() {
+                let wavelen = 2.0 * std::f64::consts::PI / *f;
+                *f = if wavelen < high_freq_wavelen {
+                    *f
+                } else if wavelen > low_freq_wavelen {
+                    *f / factor
+                } else {
+                    let smooth = (original / wavelen - low) / (high - low);
+                    (1.0 - smooth) * *f / factor + smooth * *f
+                };
+            }
+        }
+    }
+    if let Some(factors) = freq_factors {
+        if factors.len() != inv_freq.len() {
+            bail!(
+                "rope: {} frequency factors given, head_dim {} needs {}",
+                factors.len(),
+                d,
+                inv_freq.len()
+            )
+        }
+        for (f, &k) in inv_freq.iter_mut().zip(factors) {
+            *f /= f64::from(k);
+        }
+    }
+    Ok(inv_freq)
+}
+
+impl RotaryEmbedding {
+    /// Tables for positions `0..config.max_position_embeddings`, stored in `dtype`. Angles are
+    /// `position × inverse frequency` in f32, as in the HF and candle reference implementations
+    /// the checkpoints were trained and tested with.
+    pub fn new(
+        config: &LlamaConfig,
+        freq_factors: Option<&[f32]>,
+        layout: RopeLayout,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let inv_freq: Vec<f32> = inverse_frequencies(config, freq_factors)?
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
+        let positions = config.max_position_embeddings;
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (positions, half), device)?.to_dtype(dtype);
+        Ok(Self {
+            cos: table(cos)?,
+            sin: table(sin)?,
+            layout,
+        })
+    }
+
+    /// Positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x` `(batch, t, heads, head_dim)`; token `i` of sequence `s` is at position
+    /// `starts[s] + i`. Returns a contiguous tensor of the same shape.
+    pub fn apply(&self, x: &Tensor, starts: &[usize]) -> Result<Tensor> {
+        let (b, t, heads, d) = x.dims4()?;
+        if starts.len() != b {
+            bail!("rope: {} start positions for a batch of {b}", starts.len())
+        }
+        let end = starts.iter().map(|s| s + t).max().unwrap_or(0);
+        if end > self.max_positions() {
+            bail!(
+                "rope: position {} is past the model's context length {}",
+                end - 1,
+                self.max_positions()
+            )
+        }
+        // Each token becomes its own "batch entry" of one position, with its own cos/sin row, so
+        // x needs no transpose and sequences may sit at different positions.
+        let positions: Vec<u32> = starts
+            .iter()
+            .flat_map(|&s| (s..s + t).map(|p| p as u32))
+            .collect();
+        let positions = Tensor::from_vec(positions, b * t, x.device())?;
+        let cos = self.cos.index_select(&positions, 0)?.unsqueeze(1)?;
+        let sin = self.sin.index_select(&positions, 0)?.unsqueeze(1)?;
+        let x = x.contiguous()?.reshape((b * t, heads, 1, d))?;
+        let rotated = match self.layout {
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+        };
+        rotated.reshape((b, t, heads, d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(scaling: Option<RopeScaling>) -> LlamaConfig {
+        LlamaConfig {
+            hidden_size: 256,
+            intermediate_size: 512,
+            vocab_size: 10,
+            num_hidden_layers: 1,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_scaling: scaling,
+            max_position_embeddings: 64,
+            tie_word_embeddings: false,
+            bos_token_id: None,
+            eos_token_ids: vec![],
+        }
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_and_divides_low_frequencies() -> Result<()> {
+        let plain = inverse_frequencies(&config(None), None)?;
+        let scaled = inverse_frequencies(
+            &config(Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            })),
+            None,
+        )?;
+        assert_eq!(scaled[0], plain[0]);
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-15);
+        // In between, the ramp stays between the two.
+        for (s, p) in scaled.iter().zip(&plain) {
+            assert!(*s <= *p && *s >= p / 8.0 - 1e-18);
+        }
+        Ok(())
+    }
+
+    /// Batched application at different start positions equals one-by-one `rope` over the
+    /// usual `(b, h, t, d)` layout.
+    #[test]
+    fn matches_candle_rope_at_offsets() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = config(None);
+        for (layout, reference) in [
+            (
+                RopeLayout::Halves,
+                candle_nn::rotary_emb::rope as fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+            ),
+            (RopeLayout::Interleaved, candle_nn::rotary_emb::rope_i),
+        ] {
+            let rope = RotaryEmbedding::new(&cfg, None, layout, DType::F32, &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (2, 5, 3, 64), &dev)?;
+            let starts = [0, 7];
+            let out = rope.apply(&x, &starts)?;
+            for (s, &start) in starts.iter().enumerate() {
+                let xs = x.narrow(0, s, 1)?.transpose(1, 2)?.contiguous()?;
+                let cos = rope.cos.narrow(0, start, 5)?;
+                let sin = rope.sin.narrow(0, start, 5)?;
+                let expected = reference(&xs, &cos, &sin)?.transpose(1, 2)?;
+                let diff = (out.narrow(0, s, 1)? - expected)?
+                    .abs()?
+                    .flatten_all()?
+                    .max(0)?
+                    .to_scalar::<f32>()?;
+                assert!(diff < 1e-6, "{layout:?}: {diff}");
+            }
+            assert!(rope.apply(&x, &[0, 60]).is_err());
+        }
+        Ok(())
+    }
+}

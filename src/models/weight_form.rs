@@ -1,0 +1,313 @@
+//! The form quantized GGUF weights are multiplied in, chosen at load time by measurement.
+//!
+//! Candle's CPU matmul speed depends on the storage type: some quantized types have SIMD dot
+//! products, others (Q4_1 in candle 0.11) run scalar code, and dense f32 goes through an
+//! optimised gemm that wins once there are many rows. So on the CPU, for each stored type, one
+//! weight of that type is timed in each candidate form, at one row (decode) and at many rows
+//! (prefill), and the fastest form per regime is kept. Elsewhere (CUDA, Metal) weights stay as
+//! stored: the device kernels handle every type.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
+
+use super::linear::Linear;
+
+/// A form a weight can be multiplied in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightForm {
+    /// The GGUF storage type, through `QMatMul`.
+    AsStored,
+    /// Requantized to Q8_0 (SIMD dot products on x86 and ARM), through `QMatMul`.
+    Q8_0,
+    /// Dequantized to dense f32, through gemm.
+    DenseF32,
+}
+
+impl fmt::Display for WeightForm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::AsStored => "as stored",
+            Self::Q8_0 => "Q8_0",
+            Self::DenseF32 => "dense f32",
+        })
+    }
+}
+
+/// How to pick weight forms at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormPolicy {
+    /// Time the candidates on the CPU; keep weights as stored on other devices.
+    #[default]
+    Measure,
+    /// Use this form for every quantized weight (no measurement).
+    Fixed(WeightForm),
+}
+
+/// The forms chosen for one stored type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightPlan {
+    /// For single-row inputs.
+    pub decode: WeightForm,
+    /// For many-row inputs.
+    pub prefill: WeightForm,
+}
+
+/// One candidate's measured time per matmul.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FormTiming {
+    pub form: WeightForm,
+    pub decode: Duration,
+    /// `None` when only single rows were timed.
+    pub prefill: Option<Duration>,
+}
+
+/// The choice made for one stored type, with the measurements behind it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightChoice {
+    pub stored: GgmlDType,
+    /// `(out, in)` of the weight that was timed.
+    pub sample_shape: (usize, usize),
+    pub plan: WeightPlan,
+    /// Empty when nothing was measured.
+    pub timings: Vec<FormTiming>,
+}
+
+impl fmt::Display for WeightChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} weights: decode {}, prefill {}",
+            self.stored, self.plan.decode, self.plan.prefill
+        )?;
+        if !self.timings.is_empty() {
+            let (n, k) = self.sample_shape;
+            write!(f, " (timed on {n}x{k}:")?;
+            for t in &self.timings {
+                write!(f, " {} {:.2} ms", t.form, t.decode.as_secs_f64() * 1e3)?;
+                if let Some(prefill) = t.prefill {
+                    write!(f, " / {:.1} ms", prefill.as_secs_f64() * 1e3)?;
+                }
+                f.write_str(";")?;
+            }
+            write!(f, " per matmul of 1 / {PREFILL_ROWS} rows)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Rows of the many-row timing: a typical prefill chunk is far larger; gemm efficiency has
+/// mostly levelled off by here.
+pub const PREFILL_ROWS: usize = 128;
+const DECODE_REPEATS: usize = 15;
+const PREFILL_REPEATS: usize = 3;
+
+/// Picks the forms for weights stored like `sample`. With `single_rows_only` (a weight that never
+/// sees more than one row, like an output head used on the last token) only decode is timed.
+pub fn choose(
+    sample: &QTensor,
+    policy: WeightFormPolicy,
+    device: &Device,
+    single_rows_only: bool,
+) -> Result<WeightChoice> {
+    let stored = sample.dtype();
+    let (n, k) = sample.shape().dims2()?;
+    let fixed = |form| WeightChoice {
+        stored,
+        sample_shape: (n, k),
+        plan: WeightPlan {
+            decode: form,
+            prefill: form,
+        },
+        timings: Vec::new(),
+    };
+    if is_float(stored) {
+        return Ok(fixed(WeightForm::DenseF32));
+    }
+    match policy {
+        WeightFormPolicy::Fixed(form) => return Ok(fixed(form)),
+        WeightFormPolicy::Measure if !device.is_cpu() => return Ok(fixed(WeightForm::AsStored)),
+        WeightFormPolicy::Measure => {}
+    }
+    let mut candidates = vec![WeightForm::AsStored, WeightForm::DenseF32];
+    if stored != GgmlDType::Q8_0 && k % GgmlDType::Q8_0.block_size() == 0 {
+        candidates.push(WeightForm::Q8_0);
+    }
+    let decode_x = Tensor::randn(0f32, 1.0, (1, k), device)?;
+    let prefill_x = Tensor::randn(0f32, 1.0, (PREFILL_ROWS, k), device)?;
+    let timings = candidates
+        .into_iter()
+        .map(|form| {
+            let weight = convert(sample, form)?;
+            let prefill = if single_rows_only {
+                None
+            } else {
+                Some(median_time(&weight, &prefill_x, PREFILL_REPEATS)?)
+            };
+            Ok(FormTiming {
+                form,
+                decode: median_time(&weight, &decode_x, DECODE_REPEATS)?,
+                prefill,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let fastest = |time: fn(&FormTiming) -> Duration| {
+        timings
+            .iter()
+            .min_by_key(|t| time(t))
+            .map_or(WeightForm::AsStored, |t| t.form)
+    };
+    let decode = fastest(|t| t.decode);
+    let plan = WeightPlan {
+        decode,
+        prefill: if single_rows_only {
+            decode
+        } else {
+            fastest(|t| t.prefill.unwrap_or(Duration::MAX))
+        },
+    };
+    Ok(WeightChoice {
+        stored,
+        sample_shape: (n, k),
+        plan,
+        timings,
+    })
+}
+
+/// `weight` in `form`, ready to multiply.
+pub fn convert(weight: &QTensor, form: WeightForm) -> Result<QMatMul> {
+    let device = weight.device();
+    Ok(match form {
+        _ if is_float(weight.dtype()) => QMatMul::Tensor(weight.dequantize(&device)?),
+        WeightForm::AsStored => QMatMul::QTensor(Arc::new(requantize_identity(weight)?)),
+        WeightForm::Q8_0 if weight.dtype() == GgmlDType::Q8_0 => {
+            QMatMul::QTensor(Arc::new(requantize_identity(weight)?))
+        }
+        WeightForm::Q8_0 => {
+            let dense = weight.dequantize(&device)?;
+            QMatMul::QTensor(Arc::new(QTensor::quantize(&dense, GgmlDType::Q8_0)?))
+        }
+        WeightForm::DenseF32 => QMatMul::Tensor(weight.dequantize(&device)?.to_dtype(DType::F32)?),
+    })
+}
+
+/// A linear layer for `weight` following `plan`; the second form is built only when it differs.
+pub fn linear(weight: QTensor, plan: WeightPlan) -> Result<Linear> {
+    if plan.decode == plan.prefill || is_float(weight.dtype()) {
+        return Ok(Linear::new(into_form(weight, plan.decode)?));
+    }
+    // Convert first, then move the stored tensor into the form that keeps it (if any).
+    if keeps_storage(&weight, plan.decode) {
+        let prefill = convert(&weight, plan.prefill)?;
+        Ok(Linear::with_forms(into_form(weight, plan.decode)?, prefill))
+    } else {
+        let decode = convert(&weight, plan.decode)?;
+        Ok(Linear::with_forms(decode, into_form(weight, plan.prefill)?))
+    }
+}
+
+/// Whether `form` uses `weight`'s blocks unchanged.
+fn keeps_storage(weight: &QTensor, form: WeightForm) -> bool {
+    !is_float(weight.dtype())
+        && (form == WeightForm::AsStored
+            || (form == WeightForm::Q8_0 && weight.dtype() == GgmlDType::Q8_0))
+}
+
+/// Like [`convert`], moving the tensor in when its blocks are kept.
+fn into_form(weight: QTensor, form: WeightForm) -> Result<QMatMul> {
+    if keeps_storage(&weight, form) {
+        Ok(QMatMul::QTensor(Arc::new(weight)))
+    } else {
+        convert(&weight, form)
+    }
+}
+
+/// A copy of a quantized tensor in its own type (QTensor is not `Clone`): its raw blocks
+/// re-wrapped, no rounding.
+fn requantize_identity(weight: &QTensor) -> Result<QTensor> {
+    let bytes = weight.data()?;
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(bytes.into_owned()),
+        &weight.device(),
+        weight.dtype(),
+    )?;
+    QTensor::new(storage, weight.shape().clone())
+}
+
+fn is_float(dtype: GgmlDType) -> bool {
+    matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+fn median_time(weight: &QMatMul, x: &Tensor, repeats: usize) -> Result<Duration> {
+    weight.forward(x)?; // warm-up: first-touch allocations, packed caches
+    let mut times = (0..repeats)
+        .map(|_| {
+            let start = Instant::now();
+            weight.forward(x)?;
+            Ok(start.elapsed())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    #[test]
+    fn every_form_computes_the_same_product() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (64, 256), &dev)?;
+        let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
+        let x = Tensor::randn(0f32, 1.0, (3, 256), &dev)?;
+        let exact = x.matmul(&q.dequantize(&dev)?.t()?)?;
+        let scale = exact.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        for (form, tolerance) in [
+            (WeightForm::DenseF32, 1e-5),
+            (WeightForm::AsStored, 2e-2),
+            (WeightForm::Q8_0, 3e-2),
+        ] {
+            let y = convert(&q, form)?.forward(&x)?;
+            let rel = max_abs_diff(&y, &exact)? / scale;
+            assert!(rel < tolerance, "{form}: relative error {rel}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn measuring_picks_a_timed_candidate_per_regime() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (128, 256), &dev)?;
+        let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
+        let choice = choose(&q, WeightFormPolicy::Measure, &dev, false)?;
+        assert_eq!(choice.timings.len(), 3);
+        let forms: Vec<_> = choice.timings.iter().map(|t| t.form).collect();
+        assert!(forms.contains(&choice.plan.decode) && forms.contains(&choice.plan.prefill));
+        let fixed = choose(&q, WeightFormPolicy::Fixed(WeightForm::Q8_0), &dev, false)?;
+        assert!(fixed.timings.is_empty());
+        assert_eq!(fixed.plan.prefill, WeightForm::Q8_0);
+        // Two forms: single rows and many rows go through different weights, same product.
+        let layer = linear(
+            q,
+            WeightPlan {
+                decode: WeightForm::AsStored,
+                prefill: WeightForm::DenseF32,
+            },
+        )?;
+        let x = Tensor::randn(0f32, 1.0, (1, 2, 256), &dev)?;
+        let many = layer.forward(&x)?;
+        let one = layer.forward(&x.narrow(1, 0, 1)?)?;
+        let rel = max_abs_diff(&many.narrow(1, 0, 1)?, &one)?
+            / many.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(rel < 2e-2, "{rel}");
+        Ok(())
+    }
+}

@@ -1,0 +1,214 @@
+//! Runs the `summarize` example binary as a user would: bad inputs must fail cleanly with exit
+//! code 2, and real documents must be summarized by the default model (fetched on first use).
+//!
+//! `cargo test` builds the examples next to the test binaries, in `<target>/<profile>/examples/`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+
+use serde_json::Value;
+
+/// The model runs use all cores; running two at once would only make both slower.
+static MODEL_RUNS: Mutex<()> = Mutex::new(());
+
+const SHORT_DOCUMENT: &str = "\
+The town library will stay open until ten in the evening on weekdays from next month. The \
+change follows a survey in which students said they had nowhere quiet to study after school. \
+To pay for the extra hours, the library will close its small branch near the station, whose \
+visitor numbers have fallen for five years in a row. Staff from that branch will move to the \
+main building, and no jobs will be lost.";
+
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its own path");
+    // <target>/<profile>/deps/summarize_cli-<hash> -> <target>/<profile>/examples/summarize
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("the test binary lives in <target>/<profile>/deps");
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("summarize{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        binary.is_file(),
+        "{} is missing; `cargo test` builds it (examples are built with the tests)",
+        binary.display()
+    );
+    binary
+}
+
+fn sample_document() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/split-kv-decoding.md")
+}
+
+fn summarize(args: &[&str]) -> Output {
+    Command::new(binary())
+        .args(args)
+        .output()
+        .expect("the summarize binary starts")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A scratch directory for input files, unique to this test.
+fn scratch_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("summarize-cli-{}-{test}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Asserts exit code 2 and a single-line error naming the problem, with no panic or backtrace.
+fn assert_rejected(args: &[&str], expected: &str) {
+    let output = summarize(args);
+    let stderr = text(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "{args:?}: stderr was {stderr:?}"
+    );
+    assert!(
+        output.stdout.is_empty(),
+        "{args:?}: printed {:?}",
+        text(&output.stdout)
+    );
+    assert_eq!(
+        stderr.lines().count(),
+        1,
+        "{args:?}: expected one line, got {stderr:?}"
+    );
+    assert!(stderr.starts_with("error: "), "{args:?}: {stderr:?}");
+    assert!(
+        stderr.contains(expected),
+        "{args:?}: {stderr:?} lacks {expected:?}"
+    );
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr:?}");
+}
+
+#[test]
+fn bad_documents_exit_2_with_a_one_line_reason() {
+    let dir = scratch_dir("documents");
+    let write = |name: &str, bytes: &[u8]| {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let missing = dir.join("missing.txt").to_str().unwrap().to_string();
+    let empty = write("empty.txt", b"");
+    let blank = write("blank.txt", b"  \n\t\r\n   \n");
+    let with_nul = write("nul.txt", b"looks like text\0but is not");
+    let not_utf8: Vec<u8> = (0..2000u32).map(|i| 0x80 + (i * 7 % 0x7f) as u8).collect();
+    let not_utf8 = write("latin.bin", &not_utf8);
+    let directory = dir.to_str().unwrap().to_string();
+
+    // A model is never needed to reject these, so they fail fast even on a machine without one.
+    assert_rejected(&[&missing], "no such file");
+    assert_rejected(&[&directory], "is a directory");
+    assert_rejected(&[&empty], "is empty");
+    assert_rejected(&[&blank], "is empty");
+    assert_rejected(&[&with_nul], "NUL bytes");
+    assert_rejected(&[&not_utf8], "not valid UTF-8");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_models_and_options_exit_2_with_a_one_line_reason() {
+    let dir = scratch_dir("models");
+    let document = dir.join("doc.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let garbage = dir.join("garbage.gguf");
+    std::fs::write(
+        &garbage,
+        b"this is not a GGUF file, just some text pretending",
+    )
+    .unwrap();
+    let document = document.to_str().unwrap();
+
+    let missing_model = dir.join("nowhere.gguf");
+    assert_rejected(
+        &[document, "--model", missing_model.to_str().unwrap()],
+        "model not found",
+    );
+    assert_rejected(
+        &[
+            document,
+            "--model",
+            garbage.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+        "cannot load the model",
+    );
+    assert_rejected(&[document, "--temperature", "-1"], "--temperature");
+    assert_rejected(&[document, "--chunk-tokens", "10"], "--chunk-tokens");
+    assert_rejected(&[document, "--max-new-tokens", "0"], "--max-new-tokens");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn short_document_streams_a_summary_and_a_stats_line() {
+    let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch_dir("short");
+    let document = dir.join("library.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+
+    let output = summarize(&[document.to_str().unwrap()]);
+    let stdout = text(&output.stdout);
+    let stderr = text(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    assert!(
+        stdout.split_whitespace().count() >= 5,
+        "expected a summary of a few words, got {stdout:?}"
+    );
+    let stats = stderr.lines().last().unwrap_or_default();
+    assert!(stats.contains(" 1 chunk |"), "{stats:?}");
+    assert!(
+        stats.contains("decode ") && stats.contains("tok/s"),
+        "{stats:?}"
+    );
+    assert!(stats.contains("attention splitkv"), "{stats:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn long_document_is_summarized_in_several_chunks() {
+    let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let output = summarize(&[sample_document().to_str().unwrap(), "--json", "--quiet"]);
+    let stderr = text(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    assert!(stderr.is_empty(), "--quiet printed {stderr:?}");
+
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {}",
+            text(&output.stdout)
+        )
+    });
+    let summary = report["summary"].as_str().expect("a summary string");
+    assert!(
+        summary.split_whitespace().count() >= 5,
+        "summary: {summary:?}"
+    );
+    let stats = &report["stats"];
+    // The sample is longer than SmolLM2's 8192-token window.
+    assert!(stats["document_tokens"].as_u64().unwrap() > 8192, "{stats}");
+    assert!(stats["chunks"].as_u64().unwrap() >= 2, "{stats}");
+    // One generation per chunk, then at least one to merge them.
+    assert!(
+        stats["generations"].as_u64().unwrap() > stats["chunks"].as_u64().unwrap(),
+        "{stats}"
+    );
+    assert!(
+        stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0,
+        "{stats}"
+    );
+}

@@ -112,6 +112,7 @@ impl SplitKvAttention {
     }
 
     /// Whether a `forward_with_lse` call waits for the LSE.
+    #[cfg(feature = "cuda")]
     pub(crate) fn wants_lse(&self) -> bool {
         self.lse_slot.is_some()
     }

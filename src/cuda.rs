@@ -131,10 +131,10 @@ fn check_alignment(
         (strides.seq, dims[1]),
         (strides.head, dims[2]),
     ];
-    let misaligned = strides.offset % per_16 != 0
+    let misaligned = !strides.offset.is_multiple_of(per_16)
         || moving
             .iter()
-            .any(|&(stride, size)| size > 1 && stride % per_16 != 0);
+            .any(|&(stride, size)| size > 1 && !stride.is_multiple_of(per_16));
     if misaligned {
         bail!(
             "split-kv attention: on CUDA every row of {name} must start on a 16-byte boundary \

@@ -209,14 +209,16 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         let prompt = self.prompt(task)?;
         progress.add_work(prompt.len());
         progress.set_step("summary");
-        if stream {
+        let text = if stream {
             let mut out = StreamToStdout::new(progress);
             let text = self.run(&prompt, self.max_new_tokens, &mut out)?;
             out.finish()?;
-            Ok(text)
+            text
         } else {
-            self.run(&prompt, self.max_new_tokens, progress)
-        }
+            self.run(&prompt, self.max_new_tokens, progress)?
+        };
+        // The streamed text stops at the same place.
+        Ok(drop_unfinished_sentence(&text).to_string())
     }
 
     fn run(

@@ -80,11 +80,15 @@ impl GenerationObserver for Progress {
     }
 }
 
-/// Shows prefill progress, then clears the bar and prints the answer token by token.
+/// Shows prefill progress, then clears the bar and prints the answer as it grows, a sentence at a
+/// time: an answer cut by the token limit then ends on its last whole sentence, as the returned
+/// summary does.
 pub struct StreamToStdout<'p> {
     progress: &'p mut Progress,
     started: bool,
     wrote_text: bool,
+    /// Text after the last sentence end, held back until the sentence completes.
+    pending: String,
 }
 
 impl<'p> StreamToStdout<'p> {
@@ -93,11 +97,18 @@ impl<'p> StreamToStdout<'p> {
             progress,
             started: false,
             wrote_text: false,
+            pending: String::new(),
         }
     }
 
-    /// Ends the streamed text with a newline, if anything was printed.
+    /// Prints the held-back tail unless it is an unfinished sentence after whole ones, then ends
+    /// the streamed text with a newline, if anything was printed.
     pub fn finish(&mut self) -> Result<()> {
+        let tail = std::mem::take(&mut self.pending);
+        let tail = tail.trim_end();
+        if !self.wrote_text || tail.ends_with(['.', '!', '?', '"', ')']) {
+            self.write(tail)?;
+        }
         if self.wrote_text {
             let mut out = std::io::stdout().lock();
             writeln!(out)
@@ -108,17 +119,8 @@ impl<'p> StreamToStdout<'p> {
     }
 }
 
-impl GenerationObserver for StreamToStdout<'_> {
-    fn prefilled(&mut self, tokens: usize, tokens_per_s: f64) {
-        self.progress.prefilled(tokens, tokens_per_s);
-    }
-
-    fn generated(&mut self, text: &str, _generated: usize, _tokens_per_s: f64) -> Result<()> {
-        if !self.started {
-            // The bar would redraw over the text on a shared terminal.
-            self.progress.clear();
-            self.started = true;
-        }
+impl StreamToStdout<'_> {
+    fn write(&mut self, text: &str) -> Result<()> {
         // Answers often open with whitespace; skip it, as the returned text is trimmed too.
         let text = if self.wrote_text {
             text
@@ -133,5 +135,30 @@ impl GenerationObserver for StreamToStdout<'_> {
         out.write_all(text.as_bytes())
             .and_then(|()| out.flush())
             .context("writing to stdout")
+    }
+}
+
+impl GenerationObserver for StreamToStdout<'_> {
+    fn prefilled(&mut self, tokens: usize, tokens_per_s: f64) {
+        self.progress.prefilled(tokens, tokens_per_s);
+    }
+
+    fn generated(&mut self, text: &str, _generated: usize, _tokens_per_s: f64) -> Result<()> {
+        if !self.started {
+            // The bar would redraw over the text on a shared terminal.
+            self.progress.clear();
+            self.started = true;
+        }
+        self.pending.push_str(text);
+        let bytes = self.pending.as_bytes();
+        let sentence_end = (1..bytes.len()).rev().find(|&i| {
+            matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace()
+        });
+        if let Some(end) = sentence_end {
+            let rest = self.pending.split_off(end);
+            let done = std::mem::replace(&mut self.pending, rest);
+            self.write(&done)?;
+        }
+        Ok(())
     }
 }

@@ -78,11 +78,21 @@ pub struct WeightChoice {
 
 impl fmt::Display for WeightChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:?} weights: decode {}, prefill {}",
-            self.stored, self.plan.decode, self.plan.prefill
-        )?;
+        let single_rows_only =
+            !self.timings.is_empty() && self.timings.iter().all(|t| t.prefill.is_none());
+        if single_rows_only {
+            write!(
+                f,
+                "{:?} weights (single rows only): {}",
+                self.stored, self.plan.decode
+            )?;
+        } else {
+            write!(
+                f,
+                "{:?} weights: decode {}, prefill {}",
+                self.stored, self.plan.decode, self.plan.prefill
+            )?;
+        }
         if !self.timings.is_empty() {
             let (n, k) = self.sample_shape;
             write!(f, " (timed on {n}x{k}:")?;

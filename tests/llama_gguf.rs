@@ -6,7 +6,7 @@
 //! `~/.cache/candle-splitkv/SmolLM2-135M-Instruct.Q4_1.gguf`; the test is skipped with a notice
 //! when it is absent.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use candle_core::quantized::gguf_file;
@@ -53,7 +53,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 }
 
 /// A fresh stock model and its logits for `prompt`.
-fn stock_greedy_first(path: &PathBuf, prompt: &[u32]) -> Result<(ModelWeights, Tensor)> {
+fn stock_greedy_first(path: &Path, prompt: &[u32]) -> Result<(ModelWeights, Tensor)> {
     let mut file = std::fs::File::open(path)?;
     let content = gguf_file::Content::read(&mut file)?;
     let mut model = ModelWeights::from_gguf(content, &mut file, &Device::Cpu)?;
@@ -63,7 +63,7 @@ fn stock_greedy_first(path: &PathBuf, prompt: &[u32]) -> Result<(ModelWeights, T
 }
 
 /// The stock model's greedy continuation and its prompt logits.
-fn stock_greedy(path: &PathBuf, prompt: &[u32]) -> Result<(Vec<u32>, Tensor)> {
+fn stock_greedy(path: &Path, prompt: &[u32]) -> Result<(Vec<u32>, Tensor)> {
     let (mut model, first) = stock_greedy_first(path, prompt)?;
     let mut logits = first.clone();
     let mut tokens = Vec::new();
@@ -89,7 +89,7 @@ fn our_greedy(model: &mut Llama, prompt: &[u32]) -> Result<(Vec<u32>, Tensor)> {
     Ok((tokens, first))
 }
 
-fn load(path: &PathBuf, weight_forms: WeightFormPolicy) -> Result<LoadedModel> {
+fn load(path: &Path, weight_forms: WeightFormPolicy) -> Result<LoadedModel> {
     let options = LoadOptions {
         backend: AttentionBackend::SplitKv,
         weight_forms,

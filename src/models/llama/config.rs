@@ -237,14 +237,17 @@ impl LlamaConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             bail!("llama config: {name} must be at least 1")
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             bail!(
                 "llama config: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             )
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!(
                 "llama config: head_dim ({}) must be even for RoPE",
                 self.head_dim

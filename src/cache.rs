@@ -132,6 +132,12 @@ impl KvCache {
         self.seq_lens.fill(0);
     }
 
+    /// Forgets the positions past `len` of every sequence (e.g. rejected speculative tokens);
+    /// sequences already at most `len` long are unchanged.
+    pub fn truncate(&mut self, len: usize) {
+        self.seq_lens.iter_mut().for_each(|l| *l = (*l).min(len));
+    }
+
     /// Appends `t` new positions to every sequence; `k_new` and `v_new` are
     /// `(batch, t, kv_heads, head_dim)`. Returns the views after the append.
     pub fn append(&mut self, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -456,6 +462,15 @@ mod tests {
             .max(0)?
             .to_scalar::<f32>()?;
         assert!(diff < 1e-6, "{diff}");
+        cache.truncate(4);
+        assert_eq!(cache.len(), 4);
+        let (k4, _) = cache.views()?;
+        let diff = (k4 - kv.narrow(1, 0, 4)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
         cache.reset();
         assert!(cache.is_empty());
         assert_eq!(cache.capacity(), 16);

@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
-use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use candle_core::{DType, Device, Tensor};
+use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 use clap::Parser;
 
@@ -37,6 +37,9 @@ struct Args {
     /// Also time candle-transformers' quantized_llama (GGUF only, contexts up to 4096).
     #[arg(long)]
     stock: bool,
+    /// KV cache dtype: f32, f16 or bf16 (default: the model's choice).
+    #[arg(long)]
+    cache_dtype: Option<String>,
 }
 
 /// A deterministic prompt of `len` tokens: an English passage, repeated.
@@ -111,7 +114,18 @@ fn main() -> Result<()> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let start = Instant::now();
-    let loaded = Llama::load(&args.model, &device, AttentionBackend::SplitKv)?;
+    let cache_dtype = match args.cache_dtype.as_deref() {
+        None => None,
+        Some("f32") => Some(DType::F32),
+        Some("f16") => Some(DType::F16),
+        Some("bf16") => Some(DType::BF16),
+        Some(other) => bail!("unknown cache dtype {other}; use f32, f16 or bf16"),
+    };
+    let options = LoadOptions {
+        cache_dtype,
+        ..LoadOptions::default()
+    };
+    let loaded = Llama::load_with(&args.model, &device, options)?;
     eprintln!("loaded in {:.1} s", start.elapsed().as_secs_f64());
     for choice in loaded.model.weight_choices() {
         eprintln!("  {choice}");

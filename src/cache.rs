@@ -71,6 +71,19 @@ impl KvCache {
         self.seq_lens.len()
     }
 
+    /// The configuration of an empty cache like this one, at its current capacity.
+    pub fn config(&self) -> KvCacheConfig {
+        KvCacheConfig {
+            batch: self.batch(),
+            kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+            initial_capacity: self.capacity(),
+            max_capacity: self.max_capacity,
+            dtype: self.dtype(),
+            device: self.device().clone(),
+        }
+    }
+
     pub fn kv_heads(&self) -> usize {
         self.k.dims()[1]
     }

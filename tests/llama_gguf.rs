@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{
     AttentionBackend, Llama, LoadOptions, LoadedModel, WeightForm, WeightFormPolicy,
 };
@@ -89,10 +89,15 @@ fn our_greedy(model: &mut Llama, prompt: &[u32]) -> Result<(Vec<u32>, Tensor)> {
     Ok((tokens, first))
 }
 
-fn load(path: &Path, weight_forms: WeightFormPolicy) -> Result<LoadedModel> {
+fn load(
+    path: &Path,
+    weight_forms: WeightFormPolicy,
+    cache_dtype: Option<DType>,
+) -> Result<LoadedModel> {
     let options = LoadOptions {
         backend: AttentionBackend::SplitKv,
         weight_forms,
+        cache_dtype,
         ..LoadOptions::default()
     };
     Ok(Llama::load_with(path, &Device::Cpu, options)?)
@@ -103,7 +108,8 @@ fn greedy_tokens_match_stock_quantized_llama() -> Result<()> {
     let Some(path) = default_model() else {
         return Ok(());
     };
-    let loaded = load(&path, WeightFormPolicy::Measure)?;
+    // The default setup: measured weight forms, f32 KV cache.
+    let loaded = load(&path, WeightFormPolicy::Measure, None)?;
     assert_eq!(loaded.model.context_length(), 8192);
     assert_eq!(loaded.eos_token_ids, [2]);
     assert!(loaded
@@ -134,11 +140,17 @@ fn greedy_tokens_match_stock_quantized_llama() -> Result<()> {
     eprintln!("prompt logits max |diff| with the measured weight forms: {diff:.3e}");
     assert_eq!(ours, stock_tokens);
 
-    // With the weights kept as stored, the matmuls are the stock ones. Candle quantizes the
+    // With the weights kept as stored and an f32 cache, the computation is the stock one up to
+    // rounding in attention and RoPE. Candle quantizes the
     // activations of those matmuls to 8 bits, so on long inputs a rounding difference far below
     // 1e-5 in attention can flip a quantization step and move logits by up to about 1: only the
     // tokens are compared there. On a short prompt the two computations are the same.
-    let mut exact = load(&path, WeightFormPolicy::Fixed(WeightForm::AsStored))?.model;
+    let mut exact = load(
+        &path,
+        WeightFormPolicy::Fixed(WeightForm::AsStored),
+        Some(DType::F32),
+    )?
+    .model;
     let (exact_tokens, exact_first) = our_greedy(&mut exact, &prompt)?;
     let diff = max_abs_diff(&exact_first, &stock_first)?;
     eprintln!("prompt logits max |diff| with the weights as stored: {diff:.3e}");
@@ -150,5 +162,10 @@ fn greedy_tokens_match_stock_quantized_llama() -> Result<()> {
     let diff = max_abs_diff(&ours_short, &stock_short)?;
     eprintln!("4-token prompt logits max |diff| with the weights as stored: {diff:.3e}");
     assert!(diff < 1e-3, "4-token prompt logits differ by {diff}");
+
+    // An f16 KV cache (half the bytes per decode step) keeps the tokens.
+    let mut half = load(&path, WeightFormPolicy::Measure, Some(DType::F16))?.model;
+    let (half_tokens, _) = our_greedy(&mut half, &prompt)?;
+    assert_eq!(half_tokens, stock_tokens);
     Ok(())
 }

@@ -15,6 +15,8 @@ use rayon::prelude::*;
 /// Output rows computed per rayon task: enough work to amortise scheduling, small enough to
 /// balance across threads.
 const ROWS_PER_TASK: usize = 16;
+/// Below this many weight blocks (1M weights) one thread finishes sooner than waking others.
+const PARALLEL_MIN_BLOCKS: usize = 1 << 15;
 
 /// An `(out, in)` weight in Q8_0 blocks, row-major.
 #[derive(Debug, Clone)]
@@ -80,17 +82,27 @@ impl CustomOp1 for Q8Rows {
             .zip(out.chunks_exact_mut(self.out_features))
         {
             BlockQ8_0::from_float(x_row, &mut x_blocks);
-            out_row
-                .par_chunks_mut(ROWS_PER_TASK)
-                .enumerate()
-                .for_each(|(task, ys)| {
-                    let first = task * ROWS_PER_TASK;
-                    for (i, y) in ys.iter_mut().enumerate() {
-                        let at = (first + i) * blocks_per_row;
-                        let weights = &self.blocks[at..at + blocks_per_row];
-                        *y = BlockQ8_0::vec_dot(self.in_features, weights, &x_blocks);
-                    }
-                });
+            let row_dot = |row: usize| {
+                let at = row * blocks_per_row;
+                let weights = &self.blocks[at..at + blocks_per_row];
+                BlockQ8_0::vec_dot(self.in_features, weights, &x_blocks)
+            };
+            if self.blocks.len() < PARALLEL_MIN_BLOCKS {
+                out_row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(row, y)| *y = row_dot(row));
+            } else {
+                out_row
+                    .par_chunks_mut(ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(task, ys)| {
+                        let first = task * ROWS_PER_TASK;
+                        ys.iter_mut()
+                            .enumerate()
+                            .for_each(|(i, y)| *y = row_dot(first + i));
+                    });
+            }
         }
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {

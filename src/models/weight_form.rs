@@ -4,7 +4,8 @@
 //! products, others (Q4_1 in candle 0.11) run scalar code, and dense f32 goes through an
 //! optimised gemm that wins once there are many rows. So on the CPU, for each stored type, one
 //! weight of that type is timed in each candidate form, at one row (decode) and at many rows
-//! (prefill), and the fastest form per regime is kept. Elsewhere (CUDA, Metal) weights stay as
+//! (prefill), and the fastest form per regime is kept (candle's quantized matmul is handicapped
+//! for its behaviour on shared cores, see [`SPIN_BARRIER_PENALTY`]). Elsewhere (CUDA, Metal) weights stay as
 //! stored: the device kernels handle every type.
 
 use std::fmt;
@@ -117,7 +118,15 @@ impl fmt::Display for WeightChoice {
 /// Rows of the many-row timing: a typical prefill chunk is far larger; gemm efficiency has
 /// mostly levelled off by here.
 pub const PREFILL_ROWS: usize = 128;
-const DECODE_ROUNDS: usize = 30;
+const DECODE_ROUNDS: usize = 10;
+/// Twice the last-level cache of common desktop and server CPUs.
+const EVICTION_BYTES: usize = 64 << 20;
+/// Candle's quantized CPU matmul (forms `AsStored` and `Q8_0`) synchronises its threads with
+/// spinning barriers. When other processes share the cores, each matmul waits for descheduled
+/// threads: on a 2-core machine with other work running, decode steps took 3-10x longer than
+/// with the rayon kernel, although a quiet-moment timing put candle's matmul ahead by 1.5-2.5x.
+/// Its measured times are multiplied by this factor before comparing.
+const SPIN_BARRIER_PENALTY: f64 = 3.0;
 const PREFILL_ROUNDS: usize = 3;
 
 /// Picks the forms for weights stored like `sample`. With `single_rows_only` (a weight that never
@@ -160,7 +169,9 @@ pub fn choose(
         .iter()
         .map(|&form| convert(sample, form))
         .collect::<Result<Vec<_>>>()?;
-    let decode = mean_times(&weights, &decode_x, DECODE_ROUNDS)?;
+    // Decode reads every weight from memory once per token: time it with cold caches.
+    let mut eviction = vec![0u64; EVICTION_BYTES / 8];
+    let decode = mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction))?;
     // Q8_0 rows is a single-row kernel: never a prefill form.
     let prefill_forms: Vec<bool> = candidates
         .iter()
@@ -172,7 +183,7 @@ pub fn choose(
         .filter(|(_, &timed)| timed)
         .map(|(w, _)| w.clone())
         .collect();
-    let mut prefill = mean_times(&prefill_weights, &prefill_x, PREFILL_ROUNDS)?.into_iter();
+    let mut prefill = mean_times(&prefill_weights, &prefill_x, PREFILL_ROUNDS, None)?.into_iter();
     let timings: Vec<FormTiming> = candidates
         .iter()
         .zip(decode)
@@ -186,7 +197,7 @@ pub fn choose(
     let fastest = |time: fn(&FormTiming) -> Duration| {
         timings
             .iter()
-            .min_by_key(|t| time(t))
+            .min_by(|a, b| effective_ms(a.form, time(a)).total_cmp(&effective_ms(b.form, time(b))))
             .map_or(WeightForm::AsStored, |t| t.form)
     };
     let decode = fastest(|t| t.decode);
@@ -281,22 +292,49 @@ fn is_float(dtype: GgmlDType) -> bool {
     matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
 }
 
+/// The time a form is ranked by: measured, with [`SPIN_BARRIER_PENALTY`] for candle's quantized
+/// CPU matmul.
+fn effective_ms(form: WeightForm, measured: Duration) -> f64 {
+    let ms = measured.as_secs_f64() * 1e3;
+    match form {
+        WeightForm::AsStored | WeightForm::Q8_0 => ms * SPIN_BARRIER_PENALTY,
+        WeightForm::Q8_0Rows | WeightForm::DenseF32 => ms,
+    }
+}
+
 /// Mean time of one product per weight. The weights take turns, round after round, so that
 /// load from other processes falls on all of them alike; the mean (not the median) keeps the
-/// stalls a kernel suffers when it shares the cores.
-fn mean_times(weights: &[LinearWeight], x: &Tensor, rounds: usize) -> Result<Vec<Duration>> {
+/// stalls a kernel suffers when it shares the cores. With `eviction`, that buffer is read before
+/// each product so the weight comes from memory, as it does in a decode step.
+fn mean_times(
+    weights: &[LinearWeight],
+    x: &Tensor,
+    rounds: usize,
+    mut eviction: Option<&mut [u64]>,
+) -> Result<Vec<Duration>> {
     for weight in weights {
         weight.forward(x)?; // warm-up: first-touch allocations, packed caches
     }
     let mut totals = vec![Duration::ZERO; weights.len()];
-    for _ in 0..rounds {
+    for round in 0..rounds {
         for (weight, total) in weights.iter().zip(totals.iter_mut()) {
+            if let Some(buffer) = eviction.as_deref_mut() {
+                evict_caches(buffer, round);
+            }
             let start = Instant::now();
             weight.forward(x)?;
             *total += start.elapsed();
         }
     }
     Ok(totals.into_iter().map(|t| t / rounds as u32).collect())
+}
+
+/// Writes one word per cache line of `buffer`, pushing other data out of the caches.
+fn evict_caches(buffer: &mut [u64], round: usize) {
+    for word in buffer.iter_mut().step_by(8) {
+        *word = word.wrapping_add(round as u64);
+    }
+    std::hint::black_box(&buffer);
 }
 
 #[cfg(test)]

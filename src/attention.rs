@@ -23,12 +23,13 @@ pub enum AttentionBackend {
 
 /// Query rows per block of the causal prefill: large enough for efficient matmuls, small
 /// enough that the diagonal block (half of it masked) is a small share of the work.
-const DEFAULT_PREFILL_BLOCK: usize = 256;
+const DEFAULT_PREFILL_BLOCK: usize = 128;
 
 /// Causal attention of new tokens over a [`KvCache`].
 ///
 /// - q: `(batch, t, q_heads, head_dim)`, k and v: `(batch, t, kv_heads, head_dim)`, all after
-///   RoPE, in the cache's dtype. `q_heads` must be a multiple of `kv_heads`.
+///   RoPE. `q_heads` must be a multiple of `kv_heads`. k and v are stored in the cache's dtype,
+///   which may be narrower than q's (an f16 cache halves the bytes a decode step reads).
 /// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
 ///
 /// Token `i` of sequence `s` sits at position `cache.seq_lens()[s] + i` (before the call) and
@@ -109,6 +110,9 @@ impl CachedAttention {
             bail!("cached attention: prefill_block must be at least 1")
         }
 
+        // The cache may hold a narrower dtype than the activations (e.g. f16 under f32).
+        let k = &k.to_dtype(cache.dtype())?;
+        let v = &v.to_dtype(cache.dtype())?;
         if cache.is_uniform() {
             let past = cache.len();
             let (k_all, v_all) = cache.append(k, v)?;
@@ -118,7 +122,15 @@ impl CachedAttention {
             // Ragged decode: one op call, each sequence masked to its own length.
             let (k_all, v_all) = cache.append(k, v)?;
             let lens = cache.seq_lens_tensor()?;
-            return crate::flash_decode_varlen(q, &k_all, &v_all, &lens, self.softmax_scale);
+            let q_cache = q.to_dtype(k_all.dtype())?;
+            return crate::flash_decode_varlen(
+                &q_cache,
+                &k_all,
+                &v_all,
+                &lens,
+                self.softmax_scale,
+            )?
+            .to_dtype(q.dtype());
         }
         // Ragged prefill: sequence by sequence, each over its own cached prefix.
         let outs = (0..batch)
@@ -141,7 +153,9 @@ impl CachedAttention {
         let (_, t, _, head_dim) = q.dims4()?;
         match self.backend {
             AttentionBackend::SplitKv if t == 1 && self.uses_split_kv(head_dim) => {
-                crate::flash_decode(q, k_all, v_all, self.softmax_scale)
+                // The op takes q in the cache's dtype; it accumulates in f32 whatever the dtype.
+                let q_cache = q.to_dtype(k_all.dtype())?;
+                crate::flash_decode(&q_cache, k_all, v_all, self.softmax_scale)?.to_dtype(q.dtype())
             }
             AttentionBackend::SplitKv => blocked_causal(
                 q,
@@ -380,6 +394,28 @@ mod tests {
                 }
             }
             assert_eq!(batched.seq_lens(), [9, 13]);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn an_f16_cache_under_f32_activations_stays_close() -> Result<()> {
+        let dev = Device::Cpu;
+        let mut narrow = KvCache::new(&KvCacheConfig {
+            dtype: DType::F16,
+            ..cache(1, 2, 64)?.config()
+        })?;
+        let mut wide = cache(1, 2, 64)?;
+        let attn = CachedAttention::new(0.125);
+        for t in [9, 1, 1] {
+            let q = Tensor::randn(0f32, 1.0, (1, t, 4, 64), &dev)?;
+            let k = Tensor::randn(0f32, 1.0, (1, t, 2, 64), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (1, t, 2, 64), &dev)?;
+            let out = attn.forward(&q, &k, &v, &mut narrow)?;
+            assert_eq!(out.dtype(), DType::F32);
+            let expected = attn.forward(&q, &k, &v, &mut wide)?;
+            let diff = max_abs_diff(&out, &expected)?;
+            assert!(diff < 5e-3, "t {t}: diff {diff}");
         }
         Ok(())
     }

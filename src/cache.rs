@@ -71,6 +71,19 @@ impl KvCache {
         self.seq_lens.len()
     }
 
+    /// The configuration of an empty cache like this one, at its current capacity.
+    pub fn config(&self) -> KvCacheConfig {
+        KvCacheConfig {
+            batch: self.batch(),
+            kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+            initial_capacity: self.capacity(),
+            max_capacity: self.max_capacity,
+            dtype: self.dtype(),
+            device: self.device().clone(),
+        }
+    }
+
     pub fn kv_heads(&self) -> usize {
         self.k.dims()[1]
     }
@@ -130,6 +143,12 @@ impl KvCache {
     /// Forgets every cached position, keeping the allocation.
     pub fn reset(&mut self) {
         self.seq_lens.fill(0);
+    }
+
+    /// Forgets the positions past `len` of every sequence (e.g. rejected speculative tokens);
+    /// sequences already at most `len` long are unchanged.
+    pub fn truncate(&mut self, len: usize) {
+        self.seq_lens.iter_mut().for_each(|l| *l = (*l).min(len));
     }
 
     /// Appends `t` new positions to every sequence; `k_new` and `v_new` are
@@ -456,6 +475,15 @@ mod tests {
             .max(0)?
             .to_scalar::<f32>()?;
         assert!(diff < 1e-6, "{diff}");
+        cache.truncate(4);
+        assert_eq!(cache.len(), 4);
+        let (k4, _) = cache.views()?;
+        let diff = (k4 - kv.narrow(1, 0, 4)?)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
         cache.reset();
         assert!(cache.is_empty());
         assert_eq!(cache.capacity(), 16);

@@ -1,18 +1,40 @@
 //! A bias-free linear layer that may keep its weight in two forms: one for single-row inputs
 //! (decode, bound by reading the weight) and one for many rows (prefill, bound by arithmetic).
 
+use std::sync::Arc;
+
 use candle_core::quantized::QMatMul;
 use candle_core::{Module, Result, Tensor};
 
+use super::q8_rows::Q8Rows;
+
+/// One form of a weight, with the kernel that multiplies it.
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    /// Dense or quantized, through candle's `QMatMul`.
+    QMatMul(QMatMul),
+    /// Q8_0 rows through the crate's rayon kernel (CPU only).
+    Q8Rows(Arc<Q8Rows>),
+}
+
+impl Module for LinearWeight {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::QMatMul(w) => w.forward(x),
+            Self::Q8Rows(w) => w.forward(x),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Linear {
-    single_row: QMatMul,
-    many_rows: Option<QMatMul>,
+    single_row: LinearWeight,
+    many_rows: Option<LinearWeight>,
 }
 
 impl Linear {
     /// One form for every input.
-    pub fn new(weight: QMatMul) -> Self {
+    pub fn new(weight: LinearWeight) -> Self {
         Self {
             single_row: weight,
             many_rows: None,
@@ -21,11 +43,11 @@ impl Linear {
 
     /// A dense `(out, in)` weight.
     pub fn dense(weight: Tensor) -> Self {
-        Self::new(QMatMul::Tensor(weight))
+        Self::new(LinearWeight::QMatMul(QMatMul::Tensor(weight)))
     }
 
     /// `single_row` for inputs of one row, `many_rows` for the others.
-    pub fn with_forms(single_row: QMatMul, many_rows: QMatMul) -> Self {
+    pub fn with_forms(single_row: LinearWeight, many_rows: LinearWeight) -> Self {
         Self {
             single_row,
             many_rows: Some(many_rows),

@@ -38,6 +38,10 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// How GGUF weight forms are chosen.
     pub weight_forms: WeightFormPolicy,
+    /// KV cache dtype. `None`: the activation dtype. A narrower one (f16 under f32) halves the
+    /// bytes a decode step reads; on the CPU, where the op is compute-bound at these sizes, f32
+    /// measured faster (SmolLM2-135M at 4K context: 31-34 ms/token vs 37-42 with f16).
+    pub cache_dtype: Option<DType>,
     /// Positions allocated per layer cache up front; the cache doubles from there.
     pub initial_cache_capacity: usize,
 }
@@ -48,6 +52,7 @@ impl Default for LoadOptions {
             backend: AttentionBackend::SplitKv,
             dtype: None,
             weight_forms: WeightFormPolicy::Measure,
+            cache_dtype: None,
             initial_cache_capacity: DEFAULT_INITIAL_CACHE_CAPACITY,
         }
     }
@@ -261,13 +266,17 @@ impl Llama {
         options: LoadOptions,
     ) -> Result<Self> {
         let rope = RotaryEmbedding::new(&config, rope_freq_factors, rope_layout, dtype, device)?;
+        let cache_dtype = options.cache_dtype.unwrap_or(dtype);
+        if !matches!(cache_dtype, DType::F32 | DType::F16 | DType::BF16) {
+            bail!("llama: cache dtype {cache_dtype:?} is not supported; use f32, f16 or bf16")
+        }
         let cache_config = KvCacheConfig {
             batch: 1,
             kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             initial_capacity: options.initial_cache_capacity,
             max_capacity: config.max_position_embeddings,
-            dtype,
+            dtype: cache_dtype,
             device: device.clone(),
         };
         let caches = (0..config.num_hidden_layers)

@@ -2,4 +2,5 @@
 
 pub mod linear;
 pub mod llama;
+pub mod q8_rows;
 pub mod weight_form;

@@ -4,7 +4,8 @@
 //! products, others (Q4_1 in candle 0.11) run scalar code, and dense f32 goes through an
 //! optimised gemm that wins once there are many rows. So on the CPU, for each stored type, one
 //! weight of that type is timed in each candidate form, at one row (decode) and at many rows
-//! (prefill), and the fastest form per regime is kept. Elsewhere (CUDA, Metal) weights stay as
+//! (prefill), and the fastest form per regime is kept (candle's quantized matmul is handicapped
+//! for its behaviour on shared cores, see [`SPIN_BARRIER_PENALTY`]). Elsewhere (CUDA, Metal) weights stay as
 //! stored: the device kernels handle every type.
 
 use std::fmt;
@@ -14,7 +15,8 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Tensor};
 
-use super::linear::Linear;
+use super::linear::{Linear, LinearWeight};
+use super::q8_rows::Q8Rows;
 
 /// A form a weight can be multiplied in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -23,6 +25,9 @@ pub enum WeightForm {
     AsStored,
     /// Requantized to Q8_0 (SIMD dot products on x86 and ARM), through `QMatMul`.
     Q8_0,
+    /// Requantized to Q8_0, through the crate's rayon kernel ([`Q8Rows`]). CPU, single rows
+    /// only: it is timed for decode and never picked for prefill.
+    Q8_0Rows,
     /// Dequantized to dense f32, through gemm.
     DenseF32,
 }
@@ -32,6 +37,7 @@ impl fmt::Display for WeightForm {
         f.write_str(match self {
             Self::AsStored => "as stored",
             Self::Q8_0 => "Q8_0",
+            Self::Q8_0Rows => "Q8_0 rows",
             Self::DenseF32 => "dense f32",
         })
     }
@@ -78,11 +84,21 @@ pub struct WeightChoice {
 
 impl fmt::Display for WeightChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:?} weights: decode {}, prefill {}",
-            self.stored, self.plan.decode, self.plan.prefill
-        )?;
+        let single_rows_only =
+            !self.timings.is_empty() && self.timings.iter().all(|t| t.prefill.is_none());
+        if single_rows_only {
+            write!(
+                f,
+                "{:?} weights (single rows only): {}",
+                self.stored, self.plan.decode
+            )?;
+        } else {
+            write!(
+                f,
+                "{:?} weights: decode {}, prefill {}",
+                self.stored, self.plan.decode, self.plan.prefill
+            )?;
+        }
         if !self.timings.is_empty() {
             let (n, k) = self.sample_shape;
             write!(f, " (timed on {n}x{k}:")?;
@@ -102,8 +118,16 @@ impl fmt::Display for WeightChoice {
 /// Rows of the many-row timing: a typical prefill chunk is far larger; gemm efficiency has
 /// mostly levelled off by here.
 pub const PREFILL_ROWS: usize = 128;
-const DECODE_REPEATS: usize = 15;
-const PREFILL_REPEATS: usize = 3;
+const DECODE_ROUNDS: usize = 10;
+/// Twice the last-level cache of common desktop and server CPUs.
+const EVICTION_BYTES: usize = 64 << 20;
+/// Candle's quantized CPU matmul (forms `AsStored` and `Q8_0`) synchronises its threads with
+/// spinning barriers. When other processes share the cores, each matmul waits for descheduled
+/// threads: on a 2-core machine with other work running, decode steps took 3-10x longer than
+/// with the rayon kernel, although a quiet-moment timing put candle's matmul ahead by 1.5-2.5x.
+/// Its measured times are multiplied by this factor before comparing.
+const SPIN_BARRIER_PENALTY: f64 = 3.0;
+const PREFILL_ROUNDS: usize = 3;
 
 /// Picks the forms for weights stored like `sample`. With `single_rows_only` (a weight that never
 /// sees more than one row, like an output head used on the last token) only decode is timed.
@@ -133,31 +157,47 @@ pub fn choose(
         WeightFormPolicy::Measure => {}
     }
     let mut candidates = vec![WeightForm::AsStored, WeightForm::DenseF32];
-    if stored != GgmlDType::Q8_0 && k % GgmlDType::Q8_0.block_size() == 0 {
-        candidates.push(WeightForm::Q8_0);
+    if k % GgmlDType::Q8_0.block_size() == 0 {
+        if stored != GgmlDType::Q8_0 {
+            candidates.push(WeightForm::Q8_0);
+        }
+        candidates.push(WeightForm::Q8_0Rows);
     }
     let decode_x = Tensor::randn(0f32, 1.0, (1, k), device)?;
     let prefill_x = Tensor::randn(0f32, 1.0, (PREFILL_ROWS, k), device)?;
-    let timings = candidates
-        .into_iter()
-        .map(|form| {
-            let weight = convert(sample, form)?;
-            let prefill = if single_rows_only {
-                None
-            } else {
-                Some(median_time(&weight, &prefill_x, PREFILL_REPEATS)?)
-            };
-            Ok(FormTiming {
-                form,
-                decode: median_time(&weight, &decode_x, DECODE_REPEATS)?,
-                prefill,
-            })
-        })
+    let weights = candidates
+        .iter()
+        .map(|&form| convert(sample, form))
         .collect::<Result<Vec<_>>>()?;
+    // Decode reads every weight from memory once per token: time it with cold caches.
+    let mut eviction = vec![0u64; EVICTION_BYTES / 8];
+    let decode = mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction))?;
+    // Q8_0 rows is a single-row kernel: never a prefill form.
+    let prefill_forms: Vec<bool> = candidates
+        .iter()
+        .map(|&form| !single_rows_only && form != WeightForm::Q8_0Rows)
+        .collect();
+    let prefill_weights: Vec<LinearWeight> = weights
+        .iter()
+        .zip(&prefill_forms)
+        .filter(|(_, &timed)| timed)
+        .map(|(w, _)| w.clone())
+        .collect();
+    let mut prefill = mean_times(&prefill_weights, &prefill_x, PREFILL_ROUNDS, None)?.into_iter();
+    let timings: Vec<FormTiming> = candidates
+        .iter()
+        .zip(decode)
+        .zip(&prefill_forms)
+        .map(|((&form, decode), &timed)| FormTiming {
+            form,
+            decode,
+            prefill: if timed { prefill.next() } else { None },
+        })
+        .collect();
     let fastest = |time: fn(&FormTiming) -> Duration| {
         timings
             .iter()
-            .min_by_key(|t| time(t))
+            .min_by(|a, b| effective_ms(a.form, time(a)).total_cmp(&effective_ms(b.form, time(b))))
             .map_or(WeightForm::AsStored, |t| t.form)
     };
     let decode = fastest(|t| t.decode);
@@ -178,20 +218,31 @@ pub fn choose(
 }
 
 /// `weight` in `form`, ready to multiply.
-pub fn convert(weight: &QTensor, form: WeightForm) -> Result<QMatMul> {
+pub fn convert(weight: &QTensor, form: WeightForm) -> Result<LinearWeight> {
     let device = weight.device();
     Ok(match form {
-        _ if is_float(weight.dtype()) => QMatMul::Tensor(weight.dequantize(&device)?),
-        WeightForm::AsStored => QMatMul::QTensor(Arc::new(requantize_identity(weight)?)),
+        _ if is_float(weight.dtype()) => LinearWeight::QMatMul(QMatMul::Tensor(
+            weight.dequantize(&device)?.to_dtype(DType::F32)?,
+        )),
+        WeightForm::AsStored => qmatmul(requantize_identity(weight)?),
         WeightForm::Q8_0 if weight.dtype() == GgmlDType::Q8_0 => {
-            QMatMul::QTensor(Arc::new(requantize_identity(weight)?))
+            qmatmul(requantize_identity(weight)?)
         }
-        WeightForm::Q8_0 => {
-            let dense = weight.dequantize(&device)?;
-            QMatMul::QTensor(Arc::new(QTensor::quantize(&dense, GgmlDType::Q8_0)?))
+        WeightForm::Q8_0 => qmatmul(QTensor::quantize(
+            &weight.dequantize(&device)?,
+            GgmlDType::Q8_0,
+        )?),
+        WeightForm::Q8_0Rows => {
+            LinearWeight::Q8Rows(Arc::new(Q8Rows::quantize(&weight.dequantize(&device)?)?))
         }
-        WeightForm::DenseF32 => QMatMul::Tensor(weight.dequantize(&device)?.to_dtype(DType::F32)?),
+        WeightForm::DenseF32 => LinearWeight::QMatMul(QMatMul::Tensor(
+            weight.dequantize(&device)?.to_dtype(DType::F32)?,
+        )),
     })
+}
+
+fn qmatmul(weight: QTensor) -> LinearWeight {
+    LinearWeight::QMatMul(QMatMul::QTensor(Arc::new(weight)))
 }
 
 /// A linear layer for `weight` following `plan`; the second form is built only when it differs.
@@ -217,9 +268,9 @@ fn keeps_storage(weight: &QTensor, form: WeightForm) -> bool {
 }
 
 /// Like [`convert`], moving the tensor in when its blocks are kept.
-fn into_form(weight: QTensor, form: WeightForm) -> Result<QMatMul> {
+fn into_form(weight: QTensor, form: WeightForm) -> Result<LinearWeight> {
     if keeps_storage(&weight, form) {
-        Ok(QMatMul::QTensor(Arc::new(weight)))
+        Ok(qmatmul(weight))
     } else {
         convert(&weight, form)
     }
@@ -241,17 +292,49 @@ fn is_float(dtype: GgmlDType) -> bool {
     matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
 }
 
-fn median_time(weight: &QMatMul, x: &Tensor, repeats: usize) -> Result<Duration> {
-    weight.forward(x)?; // warm-up: first-touch allocations, packed caches
-    let mut times = (0..repeats)
-        .map(|_| {
+/// The time a form is ranked by: measured, with [`SPIN_BARRIER_PENALTY`] for candle's quantized
+/// CPU matmul.
+fn effective_ms(form: WeightForm, measured: Duration) -> f64 {
+    let ms = measured.as_secs_f64() * 1e3;
+    match form {
+        WeightForm::AsStored | WeightForm::Q8_0 => ms * SPIN_BARRIER_PENALTY,
+        WeightForm::Q8_0Rows | WeightForm::DenseF32 => ms,
+    }
+}
+
+/// Mean time of one product per weight. The weights take turns, round after round, so that
+/// load from other processes falls on all of them alike; the mean (not the median) keeps the
+/// stalls a kernel suffers when it shares the cores. With `eviction`, that buffer is read before
+/// each product so the weight comes from memory, as it does in a decode step.
+fn mean_times(
+    weights: &[LinearWeight],
+    x: &Tensor,
+    rounds: usize,
+    mut eviction: Option<&mut [u64]>,
+) -> Result<Vec<Duration>> {
+    for weight in weights {
+        weight.forward(x)?; // warm-up: first-touch allocations, packed caches
+    }
+    let mut totals = vec![Duration::ZERO; weights.len()];
+    for round in 0..rounds {
+        for (weight, total) in weights.iter().zip(totals.iter_mut()) {
+            if let Some(buffer) = eviction.as_deref_mut() {
+                evict_caches(buffer, round);
+            }
             let start = Instant::now();
             weight.forward(x)?;
-            Ok(start.elapsed())
-        })
-        .collect::<Result<Vec<_>>>()?;
-    times.sort();
-    Ok(times[times.len() / 2])
+            *total += start.elapsed();
+        }
+    }
+    Ok(totals.into_iter().map(|t| t / rounds as u32).collect())
+}
+
+/// Writes one word per cache line of `buffer`, pushing other data out of the caches.
+fn evict_caches(buffer: &mut [u64], round: usize) {
+    for word in buffer.iter_mut().step_by(8) {
+        *word = word.wrapping_add(round as u64);
+    }
+    std::hint::black_box(&buffer);
 }
 
 #[cfg(test)]
@@ -274,6 +357,7 @@ mod tests {
             (WeightForm::DenseF32, 1e-5),
             (WeightForm::AsStored, 2e-2),
             (WeightForm::Q8_0, 3e-2),
+            (WeightForm::Q8_0Rows, 3e-2),
         ] {
             let y = convert(&q, form)?.forward(&x)?;
             let rel = max_abs_diff(&y, &exact)? / scale;
@@ -288,7 +372,8 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (128, 256), &dev)?;
         let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
         let choice = choose(&q, WeightFormPolicy::Measure, &dev, false)?;
-        assert_eq!(choice.timings.len(), 3);
+        assert_eq!(choice.timings.len(), 4);
+        assert_ne!(choice.plan.prefill, WeightForm::Q8_0Rows);
         let forms: Vec<_> = choice.timings.iter().map(|t| t.form).collect();
         assert!(forms.contains(&choice.plan.decode) && forms.contains(&choice.plan.prefill));
         let fixed = choose(&q, WeightFormPolicy::Fixed(WeightForm::Q8_0), &dev, false)?;

@@ -1,0 +1,438 @@
+//! End-to-end decode benchmark: a Llama with random weights, its cache filled to context C with
+//! random keys and values (timing decode is the point, not prefill), then ≥ 32 timed decode steps
+//! after 4 warm-up steps, for:
+//! - `splitkv`: our model, decode attention through the split-KV op;
+//! - `naive`: our model with candle's naive attention over the same cache;
+//! - `candle_stock`: candle-transformers' Llama on the same weights, its cache filled by a
+//!   chunked prefill (it has no other way in), up to `--stock-max-context`.
+//!
+//! Prints one JSON line per (context, backend):
+//! `{"kind":"e2e","model":...,"context":C,"backend":...,"ms_per_token":...,...}` with the
+//! attention share of the step time (our backends) and the bytes a step must read
+//! (weights + KV), from which the bandwidth floor follows.
+//!
+//! ```text
+//! cargo run --release --features cuda --example bench_llama                 # Llama-3-8B shape, bf16
+//! cargo run --release --example bench_llama -- --config small --cpu         # small model on the CPU
+//! ```
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_splitkv::models::llama::{
+    AttentionBackend, Llama, LlamaConfig, LoadOptions, RopeScaling,
+};
+use candle_splitkv::CachedAttention;
+use candle_transformers::models::llama as stock;
+use clap::{Parser, ValueEnum};
+
+const WARMUP_STEPS: usize = 4;
+/// Positions past the largest context: room for the warm-up and timed steps.
+const CONTEXT_MARGIN: usize = 256;
+/// Keys/values written per append while filling the cache.
+const FILL_CHUNK: usize = 4096;
+/// Prompt tokens per stock forward call while filling its cache.
+const STOCK_PREFILL_CHUNK: usize = 512;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Preset {
+    /// 32 layers, hidden 4096, 32/8 heads of 128, FFN 14336, vocab 128256.
+    Llama3_8b,
+    /// 8 layers, hidden 1024, 16/4 heads of 64, FFN 2816, vocab 32000: for the CPU.
+    Small,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
+enum Backend {
+    Splitkv,
+    Naive,
+    CandleStock,
+}
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, value_enum, default_value_t = Preset::Llama3_8b)]
+    config: Preset,
+    /// Keep only this many layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Contexts to fill the cache to (default: 4096,32768,131072 for llama3-8b, 1024,4096 for small).
+    #[arg(long, value_delimiter = ',')]
+    contexts: Vec<usize>,
+    /// Timed decode steps.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Backend::Splitkv, Backend::Naive, Backend::CandleStock])]
+    backends: Vec<Backend>,
+    /// Largest context the stock model is run at (its cache concatenates on every step, and its
+    /// prefill materialises chunk × context scores).
+    #[arg(long, default_value_t = 32768)]
+    stock_max_context: usize,
+    /// Run on the CPU even when CUDA is available.
+    #[arg(long)]
+    cpu: bool,
+    /// bf16, f16 or f32 (default: bf16 on CUDA, f32 on the CPU).
+    #[arg(long)]
+    dtype: Option<String>,
+}
+
+fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> LlamaConfig {
+    let (hidden, ffn, vocab, num_layers, heads, kv_heads, head_dim) = match preset {
+        Preset::Llama3_8b => (4096, 14336, 128256, 32, 32, 8, 128),
+        Preset::Small => (1024, 2816, 32000, 8, 16, 4, 64),
+    };
+    LlamaConfig {
+        hidden_size: hidden,
+        intermediate_size: ffn,
+        vocab_size: vocab,
+        num_hidden_layers: layers.unwrap_or(num_layers),
+        num_attention_heads: heads,
+        num_key_value_heads: kv_heads,
+        head_dim,
+        rms_norm_eps: 1e-5,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+        max_position_embeddings: max_context + CONTEXT_MARGIN,
+        tie_word_embeddings: false,
+        bos_token_id: None,
+        eos_token_ids: vec![],
+    }
+}
+
+fn stock_config(c: &LlamaConfig) -> stock::Config {
+    stock::Config {
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        vocab_size: c.vocab_size,
+        num_hidden_layers: c.num_hidden_layers,
+        num_attention_heads: c.num_attention_heads,
+        num_key_value_heads: c.num_key_value_heads,
+        use_flash_attn: false,
+        rms_norm_eps: c.rms_norm_eps,
+        rope_theta: c.rope_theta,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: Some(stock::Llama3RopeConfig {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+            rope_type: stock::Llama3RopeType::Llama3,
+        }),
+        max_position_embeddings: c.max_position_embeddings,
+        tie_word_embeddings: false,
+    }
+}
+
+/// HF-named random weights, shared (not copied) by every model built from them.
+fn random_weights(c: &LlamaConfig, dtype: DType, dev: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut w = HashMap::new();
+    let mut add = |name: String, shape: (usize, usize)| -> Result<()> {
+        let t = Tensor::randn(0f32, 0.02, shape, dev)?.to_dtype(dtype)?;
+        w.insert(name, t);
+        Ok(())
+    };
+    let (q, kv) = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let (h, f) = (c.hidden_size, c.intermediate_size);
+    add("model.embed_tokens.weight".into(), (c.vocab_size, h))?;
+    add("lm_head.weight".into(), (c.vocab_size, h))?;
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.self_attn.q_proj.weight"), (q, h))?;
+        add(format!("{p}.self_attn.k_proj.weight"), (kv, h))?;
+        add(format!("{p}.self_attn.v_proj.weight"), (kv, h))?;
+        add(format!("{p}.self_attn.o_proj.weight"), (h, q))?;
+        add(format!("{p}.mlp.gate_proj.weight"), (f, h))?;
+        add(format!("{p}.mlp.up_proj.weight"), (f, h))?;
+        add(format!("{p}.mlp.down_proj.weight"), (h, f))?;
+    }
+    let mut norms = vec!["model.norm.weight".to_string()];
+    for l in 0..c.num_hidden_layers {
+        norms.push(format!("model.layers.{l}.input_layernorm.weight"));
+        norms.push(format!("model.layers.{l}.post_attention_layernorm.weight"));
+    }
+    for name in norms {
+        w.insert(name, Tensor::ones(h, dtype, dev)?);
+    }
+    Ok(w)
+}
+
+/// Bytes one decode step reads: every weight but the embedding table (one row of it), plus K
+/// and V of every layer over the context.
+fn bytes_per_step(c: &LlamaConfig, weights: &HashMap<String, Tensor>, context: usize) -> usize {
+    let weight_bytes: usize = weights
+        .iter()
+        .filter(|(name, _)| name.as_str() != "model.embed_tokens.weight")
+        .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
+        .sum();
+    let dtype_size = weights
+        .values()
+        .next()
+        .map_or(2, |t| t.dtype().size_in_bytes());
+    let kv_bytes =
+        c.num_hidden_layers * 2 * context * c.num_key_value_heads * c.head_dim * dtype_size;
+    weight_bytes + kv_bytes
+}
+
+struct Report<'a> {
+    model: &'a str,
+    dtype: DType,
+    device: &'a str,
+    context: usize,
+    steps: usize,
+    bytes: usize,
+}
+
+impl Report<'_> {
+    fn line(&self, backend: &str, ms_per_token: f64, attention_ms: Option<f64>) {
+        let attention = match attention_ms {
+            Some(a) => format!(
+                ",\"attention_ms_per_token\":{a:.3},\"attention_share\":{:.3}",
+                a / ms_per_token
+            ),
+            None => String::new(),
+        };
+        println!(
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+             \"context\":{},\"backend\":\"{backend}\",\"steps\":{},\"ms_per_token\":{ms_per_token:.3},\
+             \"tokens_per_s\":{:.2},\"bytes_per_token\":{}{attention}}}",
+            self.model,
+            self.dtype,
+            self.device,
+            self.context,
+            self.steps,
+            1e3 / ms_per_token,
+            self.bytes
+        );
+    }
+
+    fn error(&self, backend: &str, error: &str) {
+        let error = error
+            .replace('\\', "\\\\")
+            .replace('"', "'")
+            .replace('\n', " ");
+        println!(
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+             \"context\":{},\"backend\":\"{backend}\",\"error\":\"{error}\"}}",
+            self.model, self.dtype, self.device, self.context
+        );
+    }
+}
+
+/// Fills every layer cache of `model` to `context` positions with random keys and values.
+fn fill_cache(model: &mut Llama, context: usize) -> Result<()> {
+    let (kv_heads, head_dim, dtype) = {
+        let c = model.config();
+        (c.num_key_value_heads, c.head_dim, model.dtype())
+    };
+    let device = model.device().clone();
+    model.reset();
+    for cache in model.caches_mut() {
+        for start in (0..context).step_by(FILL_CHUNK) {
+            let n = FILL_CHUNK.min(context - start);
+            let k =
+                Tensor::randn(0f32, 1.0, (1, n, kv_heads, head_dim), &device)?.to_dtype(dtype)?;
+            let v =
+                Tensor::randn(0f32, 1.0, (1, n, kv_heads, head_dim), &device)?.to_dtype(dtype)?;
+            cache.append(&k, &v)?;
+        }
+    }
+    Ok(())
+}
+
+/// Mean milliseconds per call of `step(i)` over `steps` calls after the warm-up.
+fn time_steps(
+    device: &Device,
+    steps: usize,
+    mut step: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    for i in 0..WARMUP_STEPS {
+        step(i)?;
+    }
+    device.synchronize()?;
+    let start = Instant::now();
+    for i in 0..steps {
+        step(WARMUP_STEPS + i)?;
+    }
+    device.synchronize()?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / steps as f64)
+}
+
+/// Our model: decode steps, then the attention alone (append + attention per layer) over the
+/// same cache, for the share.
+fn run_ours(
+    model: &mut Llama,
+    backend: AttentionBackend,
+    context: usize,
+    steps: usize,
+) -> Result<(f64, f64)> {
+    let device = model.device().clone();
+    let vocab = model.config().vocab_size as u32;
+    model.set_backend(backend);
+    model
+        .caches_mut()
+        .iter_mut()
+        .for_each(|c| c.truncate(context));
+    let step_ms = time_steps(&device, steps, |i| {
+        model.forward(&[(i as u32 * 7919) % vocab])?;
+        Ok(())
+    })?;
+    model
+        .caches_mut()
+        .iter_mut()
+        .for_each(|c| c.truncate(context));
+
+    let c = model.config().clone();
+    let attention = CachedAttention::new(1.0 / (c.head_dim as f32).sqrt()).with_backend(backend);
+    let dtype = model.dtype();
+    let q = Tensor::randn(
+        0f32,
+        1.0,
+        (1, 1, c.num_attention_heads, c.head_dim),
+        &device,
+    )?
+    .to_dtype(dtype)?;
+    let kv = Tensor::randn(
+        0f32,
+        1.0,
+        (1, 1, c.num_key_value_heads, c.head_dim),
+        &device,
+    )?
+    .to_dtype(dtype)?;
+    let attention_ms = time_steps(&device, steps, |_| {
+        for cache in model.caches_mut() {
+            attention.forward(&q, &kv, &kv, cache)?;
+            cache.truncate(context);
+        }
+        Ok(())
+    })?;
+    Ok((step_ms, attention_ms))
+}
+
+fn run_stock(
+    weights: &HashMap<String, Tensor>,
+    config: &LlamaConfig,
+    dtype: DType,
+    device: &Device,
+    context: usize,
+    steps: usize,
+) -> Result<f64> {
+    let config = stock_config(config);
+    let vb = VarBuilder::from_tensors(weights.clone(), dtype, device);
+    let model = stock::Llama::load(vb, &config)?;
+    let mut cache = stock::Cache::new(true, dtype, &config, device)?;
+    let vocab = config.vocab_size as u32;
+    for start in (0..context).step_by(STOCK_PREFILL_CHUNK) {
+        let n = STOCK_PREFILL_CHUNK.min(context - start);
+        let tokens: Vec<u32> = (start..start + n)
+            .map(|i| (i as u32 * 7919) % vocab)
+            .collect();
+        let input = Tensor::new(tokens.as_slice(), device)?.unsqueeze(0)?;
+        model.forward(&input, start, &mut cache)?;
+    }
+    time_steps(device, steps, |i| {
+        let input = Tensor::new(&[(i as u32 * 7919) % vocab], device)?.unsqueeze(0)?;
+        model.forward(&input, context + i, &mut cache)?;
+        Ok(())
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = if args.cpu {
+        Device::Cpu
+    } else {
+        Device::cuda_if_available(0)?
+    };
+    let dtype = match args.dtype.as_deref() {
+        None if device.is_cpu() => DType::F32,
+        None | Some("bf16") => DType::BF16,
+        Some("f16") => DType::F16,
+        Some("f32") => DType::F32,
+        Some(other) => bail!("unknown dtype {other}; use bf16, f16 or f32"),
+    };
+    let contexts = if args.contexts.is_empty() {
+        match args.config {
+            Preset::Llama3_8b => vec![4096, 32768, 131072],
+            Preset::Small => vec![1024, 4096],
+        }
+    } else {
+        args.contexts.clone()
+    };
+    if args.steps == 0 {
+        bail!("--steps must be at least 1")
+    }
+    let max_context = contexts.iter().copied().max().unwrap_or(0);
+    let config = model_config(args.config, args.layers, max_context);
+    let model_name = format!(
+        "{}-shape-{}-layers",
+        match args.config {
+            Preset::Llama3_8b => "llama3-8b",
+            Preset::Small => "small",
+        },
+        config.num_hidden_layers
+    );
+    let device_name = if device.is_cpu() { "cpu" } else { "cuda" };
+    eprintln!("building random {model_name} weights ({dtype:?}, {device_name})");
+    let weights = random_weights(&config, dtype, &device)?;
+
+    for &context in &contexts {
+        let report = Report {
+            model: &model_name,
+            dtype,
+            device: device_name,
+            context,
+            steps: args.steps,
+            bytes: bytes_per_step(&config, &weights, context),
+        };
+        let ours_wanted = args.backends.iter().any(|b| *b != Backend::CandleStock);
+        if ours_wanted {
+            let vb = VarBuilder::from_tensors(weights.clone(), dtype, &device);
+            let options = LoadOptions {
+                initial_cache_capacity: context + CONTEXT_MARGIN,
+                ..LoadOptions::default()
+            };
+            let mut model = Llama::from_var_builder(vb, config.clone(), dtype, options)?;
+            fill_cache(&mut model, context)?;
+            for &backend in &args.backends {
+                let (ours, label) = match backend {
+                    Backend::Splitkv => (AttentionBackend::SplitKv, "splitkv"),
+                    Backend::Naive => (AttentionBackend::Naive, "naive"),
+                    Backend::CandleStock => continue,
+                };
+                match run_ours(&mut model, ours, context, args.steps) {
+                    Ok((ms, attention_ms)) => report.line(label, ms, Some(attention_ms)),
+                    Err(e) => report.error(label, &e.to_string()),
+                }
+            }
+        }
+        if args.backends.contains(&Backend::CandleStock) {
+            if context > args.stock_max_context {
+                report.error(
+                    "candle_stock",
+                    &format!(
+                        "skipped: context above --stock-max-context {}",
+                        args.stock_max_context
+                    ),
+                );
+            } else {
+                match run_stock(&weights, &config, dtype, &device, context, args.steps) {
+                    Ok(ms) => report.line("candle_stock", ms, None),
+                    Err(e) => report.error("candle_stock", &e.to_string()),
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Prefill and decode throughput of a GGUF or HF Llama, ours (split-KV and naive attention) and
+//! optionally candle-transformers' `quantized_llama`, in one run.
+//!
+//! For each context C: prefill a C-token prompt (timed), then 4 warm-up and `--steps` timed
+//! decode steps. Prints one JSON line per (backend, context).
+//!
+//! ```text
+//! cargo run --release --example llama_throughput -- --model model.gguf --contexts 2500,4096 --stock
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
+use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
+use clap::Parser;
+
+const WARMUP_STEPS: usize = 4;
+
+#[derive(Parser)]
+struct Args {
+    /// A GGUF file or an HF model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt lengths to prefill, then decode after.
+    #[arg(long, value_delimiter = ',', default_values_t = [2500usize, 4096])]
+    contexts: Vec<usize>,
+    /// Timed decode steps per context.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Also time the naive attention backend.
+    #[arg(long)]
+    naive: bool,
+    /// Also time candle-transformers' quantized_llama (GGUF only, contexts up to 4096).
+    #[arg(long)]
+    stock: bool,
+    /// KV cache dtype: f32, f16 or bf16 (default: the model's choice).
+    #[arg(long)]
+    cache_dtype: Option<String>,
+}
+
+/// A deterministic prompt of `len` tokens: an English passage, repeated.
+fn prompt_tokens(tokenizer: &tokenizers::Tokenizer, len: usize) -> Result<Vec<u32>> {
+    let passage = "The river rose slowly through the spring, and the people of the valley moved \
+        their animals to the high meadows, where the grass was thin but the ground was dry. \
+        Each evening the elders met to measure the water against the old stone marks. ";
+    let ids = tokenizer
+        .encode(passage, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
+    if ids.is_empty() {
+        bail!("the tokenizer produced no tokens")
+    }
+    Ok(ids.iter().copied().cycle().take(len).collect())
+}
+
+fn argmax(logits: &Tensor) -> Result<u32> {
+    Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
+}
+
+struct Timing {
+    prefill_s: f64,
+    decode_ms_per_token: f64,
+}
+
+/// Prefills `prompt`, then greedy-decodes, timing both; `forward(tokens, position)` returns the
+/// logits of the last token.
+fn time_run(
+    prompt: &[u32],
+    steps: usize,
+    mut forward: impl FnMut(&[u32], usize) -> Result<Tensor>,
+) -> Result<Timing> {
+    let start = Instant::now();
+    let mut logits = forward(prompt, 0)?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut timed = 0.0;
+    for i in 0..WARMUP_STEPS + steps {
+        let position = prompt.len() + i;
+        let next = argmax(&logits)?;
+        let start = Instant::now();
+        logits = forward(&[next], position)?;
+        if i >= WARMUP_STEPS {
+            timed += start.elapsed().as_secs_f64();
+        }
+    }
+    Ok(Timing {
+        prefill_s,
+        decode_ms_per_token: timed * 1e3 / steps as f64,
+    })
+}
+
+fn report(model: &str, backend: &str, context: usize, t: &Timing) {
+    println!(
+        "{{\"kind\":\"cpu_throughput\",\"model\":\"{model}\",\"backend\":\"{backend}\",\
+         \"context\":{context},\"prefill_s\":{:.2},\"prefill_tokens_per_s\":{:.1},\
+         \"ms_per_token\":{:.2},\"decode_tokens_per_s\":{:.1}}}",
+        t.prefill_s,
+        context as f64 / t.prefill_s,
+        t.decode_ms_per_token,
+        1e3 / t.decode_ms_per_token
+    );
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let device = Device::Cpu;
+    let name = args
+        .model
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let start = Instant::now();
+    let cache_dtype = match args.cache_dtype.as_deref() {
+        None => None,
+        Some("f32") => Some(DType::F32),
+        Some("f16") => Some(DType::F16),
+        Some("bf16") => Some(DType::BF16),
+        Some(other) => bail!("unknown cache dtype {other}; use f32, f16 or bf16"),
+    };
+    let options = LoadOptions {
+        cache_dtype,
+        ..LoadOptions::default()
+    };
+    let loaded = Llama::load_with(&args.model, &device, options)?;
+    eprintln!("loaded in {:.1} s", start.elapsed().as_secs_f64());
+    for choice in loaded.model.weight_choices() {
+        eprintln!("  {choice}");
+    }
+    let mut model = loaded.model;
+    let mut backends = vec![AttentionBackend::SplitKv];
+    if args.naive {
+        backends.push(AttentionBackend::Naive);
+    }
+    for &context in &args.contexts {
+        if context + WARMUP_STEPS + args.steps > model.context_length() {
+            bail!(
+                "context {context} plus {} decode steps exceeds the model's {}",
+                WARMUP_STEPS + args.steps,
+                model.context_length()
+            )
+        }
+        let prompt = prompt_tokens(&loaded.tokenizer, context)?;
+        for &backend in &backends {
+            model.set_backend(backend);
+            model.reset();
+            let timing = time_run(&prompt, args.steps, |tokens, _| Ok(model.forward(tokens)?))?;
+            let label = match backend {
+                AttentionBackend::SplitKv => "splitkv",
+                AttentionBackend::Naive => "naive",
+            };
+            report(&name, label, context, &timing);
+        }
+        if args.stock {
+            if context + WARMUP_STEPS + args.steps > MAX_SEQ_LEN {
+                eprintln!(
+                    "stock quantized_llama: context {context} is past its {MAX_SEQ_LEN} limit"
+                );
+                continue;
+            }
+            let mut file = std::fs::File::open(&args.model)?;
+            let content = gguf_file::Content::read(&mut file)?;
+            let mut stock = ModelWeights::from_gguf(content, &mut file, &device)?;
+            let timing = time_run(&prompt, args.steps, |tokens, position| {
+                let input = Tensor::new(tokens, &device)?.unsqueeze(0)?;
+                Ok(stock.forward(&input, position)?)
+            })?;
+            report(&name, "candle_stock", context, &timing);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,138 @@
+//! `Q8Rows`: a Q8_0 weight multiplied row by row with rayon, for single-row (decode) inputs on
+//! the CPU.
+//!
+//! Why not candle's `QMatMul`: its CPU path synchronises its worker threads with spinning
+//! barriers, so each matmul waits for the slowest thread. When other processes share the cores
+//! (a laptop, a CI runner) a descheduled worker stalls every matmul for a scheduler slice;
+//! decode steps were measured 3-5× slower that way. Rayon's work stealing lets the threads that
+//! do run take over the rest. The dot products are candle's own SIMD `vec_dot` for Q8_0.
+
+use candle_core::backend::BackendStorage;
+use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Output rows computed per rayon task: enough work to amortise scheduling, small enough to
+/// balance across threads.
+const ROWS_PER_TASK: usize = 16;
+/// Below this many weight blocks (1M weights) one thread finishes sooner than waking others.
+const PARALLEL_MIN_BLOCKS: usize = 1 << 15;
+
+/// An `(out, in)` weight in Q8_0 blocks, row-major.
+#[derive(Debug, Clone)]
+pub struct Q8Rows {
+    blocks: Vec<BlockQ8_0>,
+    out_features: usize,
+    in_features: usize,
+}
+
+impl Q8Rows {
+    /// Quantizes a dense `(out, in)` weight; `in` must be a multiple of 32 (the Q8_0 block).
+    pub fn quantize(weight: &Tensor) -> Result<Self> {
+        let (out_features, in_features) = weight.dims2()?;
+        let block = BlockQ8_0::BLCK_SIZE;
+        if in_features % block != 0 {
+            bail!("q8 rows: in_features ({in_features}) must be a multiple of {block}")
+        }
+        let dense = weight
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let mut blocks = vec![BlockQ8_0::zeros(); dense.len() / block];
+        BlockQ8_0::from_float(&dense, &mut blocks);
+        Ok(Self {
+            blocks,
+            out_features,
+            in_features,
+        })
+    }
+
+    /// `x (…, in)` → `(…, out)`, f32 on the CPU.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.apply_op1_no_bwd(self)
+    }
+}
+
+impl CustomOp1 for Q8Rows {
+    fn name(&self) -> &'static str {
+        "q8-rows-matmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else {
+            bail!("q8 rows: input must be f32, got {:?}", storage.dtype())
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            bail!("q8 rows: input must be contiguous")
+        };
+        let dims = layout.dims();
+        if dims.last() != Some(&self.in_features) {
+            bail!(
+                "q8 rows: input {dims:?} must end in in_features = {}",
+                self.in_features
+            )
+        }
+        let x = &data[start..end];
+        let blocks_per_row = self.in_features / BlockQ8_0::BLCK_SIZE;
+        let rows = x.len() / self.in_features;
+        let mut out = vec![0f32; rows * self.out_features];
+        let mut x_blocks = vec![BlockQ8_0::zeros(); blocks_per_row];
+        for (x_row, out_row) in x
+            .chunks_exact(self.in_features)
+            .zip(out.chunks_exact_mut(self.out_features))
+        {
+            BlockQ8_0::from_float(x_row, &mut x_blocks);
+            let row_dot = |row: usize| {
+                let at = row * blocks_per_row;
+                let weights = &self.blocks[at..at + blocks_per_row];
+                BlockQ8_0::vec_dot(self.in_features, weights, &x_blocks)
+            };
+            if self.blocks.len() < PARALLEL_MIN_BLOCKS {
+                out_row
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(row, y)| *y = row_dot(row));
+            } else {
+                out_row
+                    .par_chunks_mut(ROWS_PER_TASK)
+                    .enumerate()
+                    .for_each(|(task, ys)| {
+                        let first = task * ROWS_PER_TASK;
+                        ys.iter_mut()
+                            .enumerate()
+                            .for_each(|(i, y)| *y = row_dot(first + i));
+                    });
+            }
+        }
+        let mut shape = dims.to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = self.out_features;
+        }
+        Ok((CpuStorage::F32(out), Shape::from(shape)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn matches_the_dense_product_within_quantization_error() -> Result<()> {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (100, 96), &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 1, 96), &dev)?;
+        let y = Q8Rows::quantize(&w)?.forward(&x)?;
+        assert_eq!(y.dims(), [2, 1, 100]);
+        let exact = x.broadcast_matmul(&w.t()?)?;
+        let err = (&y - &exact)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let scale = exact.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(err / scale < 2e-2, "relative error {}", err / scale);
+        assert!(Q8Rows::quantize(&Tensor::zeros((4, 40), DType::F32, &dev)?).is_err());
+        Ok(())
+    }
+}

@@ -46,6 +46,13 @@ impl Dtype {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum KernelArg {
+    Auto,
+    TensorCore,
+    CudaCore,
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Benchmark split-KV decode attention")]
 struct Args {
@@ -75,6 +82,10 @@ struct Args {
     /// Force this many splits instead of the heuristic.
     #[arg(long)]
     splits: Option<usize>,
+    /// CUDA kernel families to time, each reported as its own backend: auto → `splitkv`,
+    /// tensor-core → `splitkv_tc`, cuda-core → `splitkv_cc`.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "auto")]
+    kernels: Vec<KernelArg>,
     /// Skip points whose K+V exceeds this many GiB.
     #[arg(long, default_value_t = 8.0)]
     max_kv_gib: f64,
@@ -276,6 +287,9 @@ fn sum_wide(xs: &[f32]) -> f32 {
 
 fn bench_cpu(args: &Args) -> Result<()> {
     let dev = Device::Cpu;
+    if args.kernels != [KernelArg::Auto] {
+        bail!("--kernels picks CUDA kernel families; the CPU has one implementation");
+    }
     for p in points(args, false)? {
         if p.dtype != DType::F32 {
             bail!("the CPU benchmark runs f32 (its read-loop ceiling reads f32); pass --dtype f32");
@@ -331,6 +345,7 @@ fn bench_cpu(args: &Args) -> Result<()> {
 mod gpu {
     //! CUDA timing: rotated buffer sets, graph capture, CUDA events.
     use super::*;
+    use candle_splitkv::CudaKernel;
     use cudarc::driver::sys;
 
     /// Buffer sets so that one sweep reads at least 512 MiB of K/V, at most 32.
@@ -392,6 +407,24 @@ mod gpu {
         ))
     }
 
+    impl KernelArg {
+        fn choice(self) -> CudaKernel {
+            match self {
+                KernelArg::Auto => CudaKernel::Auto,
+                KernelArg::TensorCore => CudaKernel::TensorCore,
+                KernelArg::CudaCore => CudaKernel::CudaCore,
+            }
+        }
+
+        fn backend(self) -> &'static str {
+            match self {
+                KernelArg::Auto => "splitkv",
+                KernelArg::TensorCore => "splitkv_tc",
+                KernelArg::CudaCore => "splitkv_cc",
+            }
+        }
+    }
+
     pub fn bench(args: &Args) -> Result<()> {
         let device = Device::new_cuda(0)?;
         let Device::Cuda(cuda) = &device else {
@@ -405,8 +438,14 @@ mod gpu {
                 .map(|_| Inputs::random(&p, &device))
                 .collect::<Result<_>>()?;
             let scale = 1.0 / (p.d as f64).sqrt();
-            let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);
-            if args.backend != Backend::CandleNaive {
+            for kernel in args
+                .kernels
+                .iter()
+                .filter(|_| args.backend != Backend::CandleNaive)
+            {
+                let op = SplitKvAttention::new(scale as f32)
+                    .with_num_splits(args.splits)
+                    .with_cuda_kernel(kernel.choice());
                 let (k, _) = inputs[0].kv_views()?;
                 let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
                 let (us, how) = time(cuda, sets, args.reps, &|i| {
@@ -416,7 +455,7 @@ mod gpu {
                     args,
                     &p,
                     "cuda",
-                    "splitkv",
+                    kernel.backend(),
                     us,
                     json!({"splits": splits, "timing": how, "sets": sets}),
                 );

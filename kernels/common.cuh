@@ -37,6 +37,10 @@ struct CombineParams {
     int reserved;
 };
 
+// Both partial kernels run four independently streaming warps per CTA.
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
 constexpr float kLn2 = 0.69314718055994530942f;
 
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -13,9 +13,8 @@
 #pragma once
 
 #include "common.cuh"
+#include "warp_merge.cuh"
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 // Target bytes of K+V in flight per warp (the ring size).
 constexpr int kRingBytesPerWarp = 24 * 1024;
 
@@ -29,7 +28,7 @@ template <typename T, int D, int GMAX> struct Tiling {
     static constexpr int kStagesWanted = kRingBytesPerWarp / kStageBytes;
     static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-    static constexpr int kMergeBytes = kWarps * GMAX * (D + 2) * (int)sizeof(float);
+    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
     // q lives in registers for small groups and in shared memory (after the ring) for GMAX 16.
     static constexpr bool kQInRegisters = GMAX <= 8;
@@ -241,36 +240,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     }
     __syncthreads();
 
-    const bool single = p.num_splits == 1;
-    for (int i = tid; i < group * D; i += kThreads) {
-        const int g = i / D, c = i - g * D;
-        float m = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge[(w * GMAX + g) * (D + 2) + D]);
-        float value = 0.f;
-        float lse2 = -INFINITY;
-        if (m != -INFINITY) {
-            float total = 0.f, sum = 0.f;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-                const float* slot = merge + (w * GMAX + g) * (D + 2);
-                const float weight = fast_exp2(slot[D] - m);  // 0 for a warp that saw no rows
-                total = fmaf(weight, slot[c], total);
-                sum = fmaf(weight, slot[D + 1], sum);
-            }
-            value = total / sum;
-            lse2 = m + __log2f(sum);
-        }
-        const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
-        if (single) {
-            static_cast<T*>(p.out)[row_index * D + c] = from_float<T>(value);
-            if (c == 0 && p.lse_out != nullptr) p.lse_out[row_index] = lse2 * kLn2;
-        } else {
-            const long long slot = row_index * p.num_splits + split;
-            p.partial_out[slot * D + c] = value;
-            if (c == 0) p.partial_lse[slot] = lse2;
-        }
-    }
+    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b);
 }
 
 #define DECODE_KERNEL(NAME, T, D, GMAX)                                                      \

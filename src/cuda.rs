@@ -3,19 +3,26 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::cuda_backend::DeviceId;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use half::{bf16, f16};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 
-use crate::op::SplitKvAttention;
+use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
 use crate::validate::{self, DecodeDims, RowStrides};
 
 const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
 const DECODE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_bf16.ptx"));
 const DECODE_F32_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f32.ptx"));
+const DECODE_MMA_F16_PTX: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_mma_f16.ptx"));
+const DECODE_MMA_BF16_PTX: &str =
+    include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_mma_bf16.ptx"));
 const COMBINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/combine.ptx"));
 
 /// Threads per CTA of the partial kernel (`kThreads` in kernels/split_kv_decode.cuh).
@@ -72,7 +79,7 @@ struct CombineParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for CombineParams {}
 
-/// The partial kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
+/// The CUDA-core kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
 fn group_bucket(group: usize) -> Result<usize> {
     match [1, 2, 4, 8, 16].into_iter().find(|&g| g >= group) {
         Some(g) => Ok(g),
@@ -82,10 +89,9 @@ fn group_bucket(group: usize) -> Result<usize> {
     }
 }
 
-/// Dynamic shared memory of one partial CTA: `Tiling::kTotalSmem` in
+/// Dynamic shared memory of one CUDA-core CTA: `Tiling::kTotalSmem` in
 /// kernels/split_kv_decode.cuh (the kernel traps if it is given less).
-fn decode_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usize {
-    const WARPS: usize = 4;
+fn cuda_core_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usize {
     const RING_BYTES_PER_WARP: usize = 24 * 1024;
     let chunks = head_dim / 8;
     let lanes_per_row = match chunks {
@@ -102,17 +108,72 @@ fn decode_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usize {
     let stage_bytes = 2 * rows * head_dim * elem_bytes;
     let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
     let ring = WARPS * stages * stage_bytes;
-    let merge = WARPS * gmax * (head_dim + 2) * 4;
     let q_in_smem = if gmax <= 8 { 0 } else { gmax * head_dim * 4 };
-    ring.max(merge) + q_in_smem
+    ring.max(merge_smem_bytes(head_dim, gmax)) + q_in_smem
 }
 
-fn dtype_tag(dtype: DType) -> Result<(&'static str, &'static str)> {
+/// Dynamic shared memory of one tensor-core CTA: `MmaTiling::kSmemBytes` in
+/// kernels/split_kv_decode_mma.cuh.
+fn tensor_core_smem_bytes(head_dim: usize, gmax: usize) -> usize {
+    const RING_BYTES_PER_WARP: usize = 26 * 1024;
+    const ROWS: usize = 16;
+    let row_bytes = head_dim * 2 + 16;
+    let stage_bytes = 2 * ROWS * row_bytes;
+    let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
+    (WARPS * stages * stage_bytes).max(merge_smem_bytes(head_dim, gmax))
+}
+
+/// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum.
+fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
+    WARPS * gmax * (head_dim + 2) * 4
+}
+
+/// Warps per CTA of both partial kernels (`kWarps` in kernels/common.cuh).
+const WARPS: usize = 4;
+
+/// The target architecture build.rs compiled the PTX for.
+fn compiled_compute_cap() -> u32 {
+    env!("CANDLE_SPLITKV_COMPUTE_CAP").parse().unwrap_or(0)
+}
+
+/// The kernel family that runs for `choice` and `dtype`.
+fn resolve_family(choice: CudaKernel, dtype: DType) -> Result<CudaKernel> {
+    let tensor_cores = dtype != DType::F32 && compiled_compute_cap() >= 80;
+    Ok(match choice {
+        CudaKernel::Auto if tensor_cores => CudaKernel::TensorCore,
+        CudaKernel::Auto | CudaKernel::CudaCore => CudaKernel::CudaCore,
+        CudaKernel::TensorCore if dtype == DType::F32 => {
+            bail!("split-kv attention: the tensor-core kernels take f16 or bf16, got f32")
+        }
+        CudaKernel::TensorCore if !tensor_cores => bail!(
+            "split-kv attention: the tensor-core kernels need a build for compute capability 80 \
+             or later, this one targets {}",
+            compiled_compute_cap()
+        ),
+        CudaKernel::TensorCore => CudaKernel::TensorCore,
+    })
+}
+
+fn dtype_tag(dtype: DType) -> Result<&'static str> {
     Ok(match dtype {
-        DType::F16 => ("f16", DECODE_F16_PTX),
-        DType::BF16 => ("bf16", DECODE_BF16_PTX),
-        DType::F32 => ("f32", DECODE_F32_PTX),
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
         other => {
+            bail!("split-kv attention: dtype {other:?} is not supported; use f32, f16 or bf16")
+        }
+    })
+}
+
+/// The PTX module holding the partial kernels of one family and dtype.
+fn decode_module(family: CudaKernel, dtype: DType) -> Result<(&'static str, &'static str)> {
+    Ok(match (family, dtype) {
+        (CudaKernel::TensorCore, DType::F16) => ("split_kv_decode_mma_f16", DECODE_MMA_F16_PTX),
+        (CudaKernel::TensorCore, DType::BF16) => ("split_kv_decode_mma_bf16", DECODE_MMA_BF16_PTX),
+        (_, DType::F16) => ("split_kv_decode_f16", DECODE_F16_PTX),
+        (_, DType::BF16) => ("split_kv_decode_bf16", DECODE_BF16_PTX),
+        (_, DType::F32) => ("split_kv_decode_f32", DECODE_F32_PTX),
+        (_, other) => {
             bail!("split-kv attention: dtype {other:?} is not supported; use f32, f16 or bf16")
         }
     })
@@ -153,43 +214,71 @@ fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems: usize) ->
     ptr + (offset_elems * std::mem::size_of::<T>()) as u64
 }
 
-/// The partial kernel for one (dtype, head dim, group bucket), ready to launch.
+/// CTAs of one partial kernel resident on the whole GPU at once, per (device, kernel name). The
+/// first launch of a kernel on a device also raises its shared-memory limit; later launches skip
+/// those driver calls.
+static PARALLEL_SLOTS: OnceLock<Mutex<HashMap<(DeviceId, String), usize>>> = OnceLock::new();
+
+/// The partial kernel for one (family, dtype, head dim, group bucket), ready to launch.
 struct DecodeKernel {
     func: CudaFunction,
     smem_bytes: usize,
-    tag: &'static str,
     /// CTAs resident on the whole GPU at once: the split plan fills these.
     parallel_slots: usize,
 }
 
 impl DecodeKernel {
-    fn load(dev: &CudaDevice, dtype: DType, dims: &DecodeDims) -> Result<Self> {
-        let (tag, ptx) = dtype_tag(dtype)?;
-        let elem_bytes = dtype.size_in_bytes();
+    fn load(dev: &CudaDevice, choice: CudaKernel, dtype: DType, dims: &DecodeDims) -> Result<Self> {
+        let family = resolve_family(choice, dtype)?;
+        let (module, ptx) = decode_module(family, dtype)?;
         let gmax = group_bucket(dims.group_size())?;
-        let smem_bytes = decode_smem_bytes(dims.head_dim, elem_bytes, gmax);
-        let name = format!("split_kv_decode_{tag}_d{}_g{gmax}", dims.head_dim);
-        let func =
-            (*dev.get_or_load_custom_func(&name, &format!("split_kv_decode_{tag}"), ptx)?).clone();
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes as i32,
-        )
-        .w()?;
-        let sms = dev
-            .cuda_stream()
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .w()? as usize;
-        let per_sm = func
-            .occupancy_max_active_blocks_per_multiprocessor(DECODE_THREADS, smem_bytes, None)
-            .w()?
-            .max(1) as usize;
+        let (gmax, smem_bytes) = match family {
+            CudaKernel::TensorCore => {
+                let gmax = gmax.max(8);
+                (gmax, tensor_core_smem_bytes(dims.head_dim, gmax))
+            }
+            _ => (
+                gmax,
+                cuda_core_smem_bytes(dims.head_dim, dtype.size_in_bytes(), gmax),
+            ),
+        };
+        let name = format!("{module}_d{}_g{gmax}", dims.head_dim);
+        let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
+        let key = (dev.id(), name);
+        let cache = PARALLEL_SLOTS.get_or_init(Default::default);
+        let known = cache.lock().ok().and_then(|c| c.get(&key).copied());
+        let parallel_slots = match known {
+            Some(slots) => slots,
+            None => {
+                func.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem_bytes as i32,
+                )
+                .w()?;
+                let sms = dev
+                    .cuda_stream()
+                    .context()
+                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                    .w()? as usize;
+                let per_sm = func
+                    .occupancy_max_active_blocks_per_multiprocessor(
+                        DECODE_THREADS,
+                        smem_bytes,
+                        None,
+                    )
+                    .w()?
+                    .max(1) as usize;
+                let slots = sms * per_sm;
+                if let Ok(mut c) = cache.lock() {
+                    c.insert(key, slots);
+                }
+                slots
+            }
+        };
         Ok(Self {
             func,
             smem_bytes,
-            tag,
-            parallel_slots: sms * per_sm,
+            parallel_slots,
         })
     }
 }
@@ -201,7 +290,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    let kernel = DecodeKernel::load(dev, dtype, dims)?;
+    let kernel = DecodeKernel::load(dev, op.cuda_kernel, dtype, dims)?;
     Ok(op.plan(dims, kernel.parallel_slots))
 }
 
@@ -253,8 +342,8 @@ fn launch<T: CudaDType + DeviceRepr>(
         )
     }
 
-    let kernel = DecodeKernel::load(&dev, q.dtype(), &dims)?;
-    let (decode, smem, tag) = (&kernel.func, kernel.smem_bytes, kernel.tag);
+    let kernel = DecodeKernel::load(&dev, op.cuda_kernel, q.dtype(), &dims)?;
+    let (decode, smem) = (&kernel.func, kernel.smem_bytes);
     let plan = op.plan(&dims, kernel.parallel_slots);
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
@@ -350,7 +439,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     if plan.num_splits > 1 {
         let combine = dev.get_or_load_custom_func(
-            &format!("split_kv_combine_{tag}"),
+            &format!("split_kv_combine_{}", dtype_tag(q.dtype())?),
             "split_kv_combine",
             COMBINE_PTX,
         )?;

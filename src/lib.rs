@@ -38,7 +38,7 @@ use candle_core::{Result, Tensor};
 
 pub use attention::{cached_attention, AttentionBackend, CachedAttention};
 pub use cache::{KvCache, KvCacheConfig};
-pub use op::SplitKvAttention;
+pub use op::{CudaKernel, SplitKvAttention};
 pub use validate::SUPPORTED_HEAD_DIMS;
 
 /// Decode attention of one query token per sequence over the whole of k and v.

@@ -12,6 +12,18 @@ use crate::validate::{self, DecodeDims, RowStrides};
 /// Where a call that asked for the LSE finds it once the op has run.
 type LseSlot = Arc<Mutex<Option<Tensor>>>;
 
+/// Which family of CUDA kernels runs the partial pass. The CPU path ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaKernel {
+    /// Tensor cores for f16/bf16 on sm_80 and later, CUDA cores otherwise.
+    #[default]
+    Auto,
+    /// `mma.sync` tensor-core kernels: f16/bf16 only, built for sm_80 or later.
+    TensorCore,
+    /// Kernels doing the dot products on CUDA cores: every dtype and target.
+    CudaCore,
+}
+
 /// Split-KV attention for one decode step.
 ///
 /// - q: `(batch, 1, q_heads, head_dim)`
@@ -28,6 +40,8 @@ pub struct SplitKvAttention {
     pub num_splits: Option<usize>,
     /// Optional u32 `(batch,)` lengths: positions at or past `seqlens_k[b]` are ignored.
     pub seqlens_k: Option<Tensor>,
+    /// The CUDA kernel family; results agree across families within the dtype's rounding.
+    pub cuda_kernel: CudaKernel,
     lse_slot: Option<LseSlot>,
     /// Test hook: fill the output and scratch with NaN before the kernels run, so that any
     /// element they fail to write shows up.
@@ -42,6 +56,7 @@ impl SplitKvAttention {
             softmax_scale,
             num_splits: None,
             seqlens_k: None,
+            cuda_kernel: CudaKernel::Auto,
             lse_slot: None,
             poison_scratch: false,
         }
@@ -50,6 +65,12 @@ impl SplitKvAttention {
     /// Forces `num_splits` splits (`None` restores the heuristic).
     pub fn with_num_splits(mut self, num_splits: Option<usize>) -> Self {
         self.num_splits = num_splits;
+        self
+    }
+
+    /// Picks the CUDA kernel family (see [`CudaKernel`]).
+    pub fn with_cuda_kernel(mut self, kernel: CudaKernel) -> Self {
+        self.cuda_kernel = kernel;
         self
     }
 

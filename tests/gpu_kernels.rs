@@ -6,7 +6,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use candle_splitkv::SplitKvAttention;
+use candle_splitkv::{CudaKernel, SplitKvAttention};
 use common::{assert_close, assert_lse_close, host_f64, reference, Case};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
@@ -30,14 +30,25 @@ fn poisoned(scale: f32) -> SplitKvAttention {
 }
 
 fn check_case(dev: &Device, case: Case, splits: Option<usize>) -> Result<()> {
+    check_case_with(dev, case, splits, CudaKernel::Auto)
+}
+
+fn check_case_with(
+    dev: &Device,
+    case: Case,
+    splits: Option<usize>,
+    kernel: CudaKernel,
+) -> Result<()> {
     let (q, k, v) = common::random_qkv(&case, dev)?;
-    let op = poisoned(case.scale()).with_num_splits(splits);
+    let op = poisoned(case.scale())
+        .with_num_splits(splits)
+        .with_cuda_kernel(kernel);
     let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
     assert_eq!(out.dims(), q.dims());
     assert_eq!(out.dtype(), case.dtype);
     assert_eq!(lse.dims(), &[case.b, case.h_q, 1]);
     let want = reference(&q, &k, &v, case.scale(), None)?;
-    let what = format!("{case:?} splits {splits:?}");
+    let what = format!("{case:?} splits {splits:?} kernel {kernel:?}");
     assert_close(&what, &out, &want.out, case.dtype)?;
     assert_lse_close(&what, &lse, &want.lse, case.dtype)
 }
@@ -79,19 +90,49 @@ fn gpu_every_group_size() -> Result<()> {
     let mut count = 0;
     for group in 1..=16 {
         for dtype in [DType::BF16, DType::F16] {
-            let case = Case {
-                b: 2,
-                h_q: 2 * group,
-                h_kv: 2,
-                d: 128,
-                l: 3000,
-                dtype,
-            };
-            check_case(&dev, case, None)?;
-            count += 1;
+            for kernel in [CudaKernel::TensorCore, CudaKernel::CudaCore] {
+                let case = Case {
+                    b: 2,
+                    h_q: 2 * group,
+                    h_kv: 2,
+                    d: 128,
+                    l: 3000,
+                    dtype,
+                };
+                check_case_with(&dev, case, None, kernel)?;
+                count += 1;
+            }
         }
     }
     println!("gpu_every_group_size: {count} cases passed");
+    Ok(())
+}
+
+/// The full matrix runs the default (tensor-core) kernels for f16/bf16; this covers the
+/// CUDA-core kernels on the same head layouts and dims for those dtypes.
+#[test]
+fn gpu_cuda_core_kernels_16bit() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut count = 0;
+    for l in [1, 257, 4097] {
+        for (h_q, h_kv) in HEADS {
+            for d in HEAD_DIMS {
+                for dtype in [DType::F16, DType::BF16] {
+                    let case = Case {
+                        b: 3,
+                        h_q,
+                        h_kv,
+                        d,
+                        l,
+                        dtype,
+                    };
+                    check_case_with(&dev, case, None, CudaKernel::CudaCore)?;
+                    count += 1;
+                }
+            }
+        }
+    }
+    println!("gpu_cuda_core_kernels_16bit: {count} cases passed");
     Ok(())
 }
 
@@ -295,5 +336,10 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     let k_odd = wide.narrow(3, 1, 64)?;
     let err = candle_splitkv::flash_decode(&q, &k_odd, &v, 1.0).unwrap_err();
     assert!(err.to_string().contains("16-byte boundary"), "{err}");
+    let err = SplitKvAttention::new(1.0)
+        .with_cuda_kernel(CudaKernel::TensorCore)
+        .forward(&q, &k, &v)
+        .unwrap_err();
+    assert!(err.to_string().contains("f16 or bf16"), "{err}");
     Ok(())
 }

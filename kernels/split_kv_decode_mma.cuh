@@ -1,0 +1,315 @@
+// The partial pass of split-KV decode attention on tensor cores (f16/bf16, sm_80 and later).
+//
+// One CTA per (split, kv head, batch), as in the CUDA-core kernel, and the same streaming shape:
+// each of the four warps owns a private cp.async ring and an interleaved share of the chunk's
+// 16-row tiles, so the main loop has no block-wide barrier; the warps merge once at the end.
+//
+// The GQA group is the M dimension of `mma.m16n8k16`: the query heads of one kv head form a
+// 16-row A operand (heads past the group are zero), so a 16-row K tile costs D/16 × 2 MMAs for the
+// scores and D/8 MMAs for the values, whatever the group size. That moves the dot products off the
+// CUDA cores, which is what limits large groups there. Per tile and warp:
+//   S (16 heads × 16 rows)  = Q (16 × D)  · Kᵀ   — K fragments by `ldmatrix`
+//   O (16 heads × D)       += P (16 × 16) · V    — V fragments by `ldmatrix.trans`
+// The score accumulator's layout is the A-operand layout of the second product, so P never
+// leaves registers. Softmax statistics stay per thread (two heads each) and are combined across
+// the four lanes of a quad once per tile (max) or once per chunk (sum).
+#pragma once
+
+#include "common.cuh"
+#include "warp_merge.cuh"
+
+// Bytes of K+V ring per warp: three 16-row stages at D = 128.
+constexpr int kMmaRingBytesPerWarp = 26 * 1024;
+
+template <int D, int GMAX> struct MmaTiling {
+    static constexpr int kRows = 16;
+    // A 16-byte pad per row puts the eight rows an `ldmatrix` phase reads in distinct banks.
+    static constexpr int kRowBytes = D * 2 + 16;
+    static constexpr int kStageBytes = 2 * kRows * kRowBytes;
+    static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
+    static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
+    static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+};
+
+template <typename T> struct TensorCore;
+
+template <> struct TensorCore<__nv_bfloat16> {
+    // c += a · b, m16n8k16, fp32 accumulators.
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t x) {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
+    }
+};
+
+template <> struct TensorCore<__half> {
+    static __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                               uint32_t b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<uint32_t*>(&v);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32_t x) {
+        return __half22float2(*reinterpret_cast<__half2*>(&x));
+    }
+};
+
+// Four 8×8 b16 matrices from shared memory; lanes 8i..8i+7 address the rows of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
+    static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
+    static_assert(D % 16 == 0, "head dim must be a multiple of 16");
+    using Cfg = MmaTiling<D, GMAX>;
+    using TC = TensorCore<T>;
+    constexpr int ROWS = Cfg::kRows;
+    constexpr int ROW_BYTES = Cfg::kRowBytes;
+    constexpr int STAGES = Cfg::kStages;
+    constexpr int KSTEPS = D / 16;         // k-steps of the score product
+    constexpr int NTILES = D / 8;          // n-tiles of the value product
+    constexpr int PIECES = D * 2 / 16;     // 16-byte pieces per row
+    constexpr bool kUpper = GMAX > 8;      // heads 8..15 (the fragments' upper rows) exist
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    if (dynamic_smem_bytes() < (unsigned)Cfg::kSmemBytes) __trap();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int quad_row = lane >> 2;  // fragment row: head quad_row (and quad_row + 8)
+    const int quad_col = lane & 3;   // fragment column pair
+    const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+    const int group = p.q_heads / p.kv_heads;
+
+    int len = p.kv_len;
+    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
+    const int start = split * p.chunk_size;
+    const int end = min(start + p.chunk_size, len);
+    const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
+
+    // Q as A fragments, one set per k-step; heads past the group are zero.
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+    auto q_pair = [&](int head, int col) -> uint32_t {
+        if (head >= group) return 0u;
+        return *reinterpret_cast<const uint32_t*>(
+            q + (long long)(kv_head * group + head) * p.q_head_stride + col);
+    };
+    uint32_t q_frag[KSTEPS][4];
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        const int col = ks * 16 + quad_col * 2;
+        q_frag[ks][0] = q_pair(quad_row, col);
+        q_frag[ks][1] = kUpper ? q_pair(quad_row + 8, col) : 0u;
+        q_frag[ks][2] = q_pair(quad_row, col + 8);
+        q_frag[ks][3] = kUpper ? q_pair(quad_row + 8, col + 8) : 0u;
+    }
+
+    unsigned char* ring = smem + warp * STAGES * Cfg::kStageBytes;
+    const char* k_base = reinterpret_cast<const char*>(
+        static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride);
+    const char* v_base = reinterpret_cast<const char*>(
+        static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride);
+    const long long k_row_bytes = p.k_seq_stride * 2, v_row_bytes = p.v_seq_stride * 2;
+    // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
+    const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    auto load_tile = [&](int n) {
+        unsigned char* k_s = ring + (n % STAGES) * Cfg::kStageBytes;
+        unsigned char* v_s = k_s + ROWS * ROW_BYTES;
+        const int first = start + (warp + n * kWarps) * ROWS;
+#pragma unroll
+        for (int i = lane; i < ROWS * PIECES; i += 32) {
+            const int r = i / PIECES, c = i - r * PIECES;
+            const bool valid = first + r < end;
+            const long long pos = valid ? first + r : start;  // never form an address past the end
+            cp_async16(k_s + r * ROW_BYTES + c * 16, k_base + pos * k_row_bytes + c * 16, valid);
+            cp_async16(v_s + r * ROW_BYTES + c * 16, v_base + pos * v_row_bytes + c * 16, valid);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < my_tiles) load_tile(s);
+        cp_async_commit();
+    }
+
+    // ldmatrix row addresses, as offsets into a stage. K (non-transposed): matrices are
+    // (rows 0-7, dims lo), (rows 0-7, dims hi), (rows 8-15, lo), (rows 8-15, hi) of a k-step, the
+    // B fragments of both 8-row n-tiles. V (transposed): (rows 0-7, cols c), (rows 8-15, c),
+    // (rows 0-7, c + 8), (rows 8-15, c + 8), the B fragments of two 8-column n-tiles.
+    const int k_lane_off = ((lane >> 4) * 8 + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16;
+    const int v_lane_off = ROWS * ROW_BYTES + (((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES +
+                           (lane >> 4) * 16;
+
+    float acc[NTILES][4];
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+    // Running max and (this thread's columns of the) running sum for heads quad_row, quad_row + 8.
+    float run_max[2] = {-INFINITY, -INFINITY};
+    float run_sum[2] = {0.f, 0.f};
+
+    for (int n = 0; n < my_tiles; ++n) {
+        cp_async_wait<STAGES - 2>();
+        __syncwarp();  // tile n visible to the whole warp; slot n-1 free for reuse
+        if (n + STAGES - 1 < my_tiles) load_tile(n + STAGES - 1);
+        cp_async_commit();
+
+        const unsigned char* stage = ring + (n % STAGES) * Cfg::kStageBytes;
+        const int first = start + (warp + n * kWarps) * ROWS;
+
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+            uint32_t kf[4];
+            ldmatrix_x4(kf, stage + k_lane_off + ks * 32);
+            TC::mma(s[0], q_frag[ks], kf[0], kf[1]);
+            TC::mma(s[1], q_frag[ks], kf[2], kf[3]);
+        }
+
+        // s[nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), row nt*8 + quad_col*2 + (j&1).
+        const bool full = first + ROWS <= end;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const bool valid = full || first + nt * 8 + quad_col * 2 + (j & 1) < end;
+                s[nt][j] = valid ? s[nt][j] * p.scale_log2 : -INFINITY;
+            }
+
+        float rescale[2] = {1.f, 1.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && !kUpper) break;
+            const float tile_max = quad_max(
+                fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
+            const float new_max = fmaxf(run_max[h], tile_max);  // finite: each tile has a valid row
+            rescale[h] = fast_exp2(run_max[h] - new_max);
+            run_max[h] = new_max;
+        }
+
+        // P as the A fragment of the value product; the sum uses the rounded weights, so the
+        // output is an exact convex combination of the rows it weights.
+        uint32_t p_frag[4];
+        float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h == 1 && !kUpper) {
+                    p_frag[nt * 2 + h] = 0u;
+                    continue;
+                }
+                const uint32_t packed = TC::pack(fast_exp2(s[nt][2 * h] - run_max[h]),
+                                                 fast_exp2(s[nt][2 * h + 1] - run_max[h]));
+                const float2 rounded = TC::unpack(packed);
+                tile_sum[h] += rounded.x + rounded.y;
+                p_frag[nt * 2 + h] = packed;
+            }
+        // A fragment order: (head lo, k lo), (head hi, k lo), (head lo, k hi), (head hi, k hi).
+        const uint32_t a[4] = {p_frag[0], p_frag[1], p_frag[2], p_frag[3]};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (h == 1 && !kUpper) break;
+            run_sum[h] = run_sum[h] * rescale[h] + tile_sum[h];
+        }
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt) {
+            acc[nt][0] *= rescale[0];
+            acc[nt][1] *= rescale[0];
+            if constexpr (kUpper) {
+                acc[nt][2] *= rescale[1];
+                acc[nt][3] *= rescale[1];
+            }
+        }
+
+#pragma unroll
+        for (int pair = 0; pair < NTILES / 2; ++pair) {
+            uint32_t vf[4];
+            ldmatrix_x4_trans(vf, stage + v_lane_off + pair * 32);
+            TC::mma(acc[2 * pair], a, vf[0], vf[1]);
+            TC::mma(acc[2 * pair + 1], a, vf[2], vf[3]);
+        }
+    }
+
+    // Leave this warp's state in shared memory (the rings are free once every copy has landed).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* merge = reinterpret_cast<float*>(smem);  // [warp][head][D + 2]: outputs, max, sum
+    constexpr int SLOT = merge_slot_floats<D>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !kUpper) break;
+        const int head = quad_row + 8 * h;
+        const float sum = quad_sum(run_sum[h]);
+        if (head < group) {
+            float* slot = merge + (warp * GMAX + head) * SLOT;
+#pragma unroll
+            for (int nt = 0; nt < NTILES; ++nt) {
+                slot[nt * 8 + quad_col * 2] = acc[nt][2 * h];
+                slot[nt * 8 + quad_col * 2 + 1] = acc[nt][2 * h + 1];
+            }
+            if (quad_col == 0) {
+                slot[D] = run_max[h];
+                slot[D + 1] = sum;
+            }
+        }
+    }
+    __syncthreads();
+    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b);
+}
+
+// GMAX 8 covers groups 1..8 with the upper fragment rows unused; GMAX 16 covers 9..16.
+#define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                  \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(           \
+        const DecodeParams p) {                                                              \
+        decode_partial_mma<T, D, GMAX>(p);                                                   \
+    }
+
+#define DECODE_MMA_DIMS(NAME, T)          \
+    DECODE_MMA_KERNEL(NAME, T, 64, 8)     \
+    DECODE_MMA_KERNEL(NAME, T, 64, 16)    \
+    DECODE_MMA_KERNEL(NAME, T, 80, 8)     \
+    DECODE_MMA_KERNEL(NAME, T, 80, 16)    \
+    DECODE_MMA_KERNEL(NAME, T, 96, 8)     \
+    DECODE_MMA_KERNEL(NAME, T, 96, 16)    \
+    DECODE_MMA_KERNEL(NAME, T, 128, 8)    \
+    DECODE_MMA_KERNEL(NAME, T, 128, 16)   \
+    DECODE_MMA_KERNEL(NAME, T, 256, 8)    \
+    DECODE_MMA_KERNEL(NAME, T, 256, 16)

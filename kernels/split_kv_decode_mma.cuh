@@ -23,8 +23,12 @@ constexpr int kMmaRingBytesPerWarp = 26 * 1024;
 
 template <int D, int GMAX> struct MmaTiling {
     static constexpr int kRows = 16;
-    // A 16-byte pad per row puts the eight rows an `ldmatrix` phase reads in distinct banks.
-    static constexpr int kRowBytes = D * 2 + 16;
+    // The eight rows an `ldmatrix` phase reads must sit in distinct banks. Rows that are a
+    // multiple of 128 bytes stay dense and permute their 16-byte pieces (XOR with row % 8); a
+    // padded row would split each warp's cp.async into extra partial-sector L2 requests. Other
+    // widths (80, 96) take a 16-byte pad instead.
+    static constexpr bool kSwizzle = (D * 2) % 128 == 0;
+    static constexpr int kRowBytes = kSwizzle ? D * 2 : D * 2 + 16;
     static constexpr int kStageBytes = 2 * kRows * kRowBytes;
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
@@ -95,6 +99,14 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Byte offset of 16-byte piece `piece` of row `row` within a K or V tile.
+template <int D, int GMAX>
+__device__ __forceinline__ int piece_offset(int row, int piece) {
+    using Cfg = MmaTiling<D, GMAX>;
+    const int slot = Cfg::kSwizzle ? piece ^ (row & 7) : piece;
+    return row * Cfg::kRowBytes + slot * 16;
+}
+
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
@@ -158,8 +170,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const int r = i / PIECES, c = i - r * PIECES;
             const bool valid = first + r < end;
             const long long pos = valid ? first + r : start;  // never form an address past the end
-            cp_async16(k_s + r * ROW_BYTES + c * 16, k_base + pos * k_row_bytes + c * 16, valid);
-            cp_async16(v_s + r * ROW_BYTES + c * 16, v_base + pos * v_row_bytes + c * 16, valid);
+            const int dst = piece_offset<D, GMAX>(r, c);
+            cp_async16(k_s + dst, k_base + pos * k_row_bytes + c * 16, valid);
+            cp_async16(v_s + dst, v_base + pos * v_row_bytes + c * 16, valid);
         }
     };
 #pragma unroll
@@ -172,9 +185,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // (rows 0-7, dims lo), (rows 0-7, dims hi), (rows 8-15, lo), (rows 8-15, hi) of a k-step, the
     // B fragments of both 8-row n-tiles. V (transposed): (rows 0-7, cols c), (rows 8-15, c),
     // (rows 0-7, c + 8), (rows 8-15, c + 8), the B fragments of two 8-column n-tiles.
-    const int k_lane_off = ((lane >> 4) * 8 + (lane & 7)) * ROW_BYTES + ((lane >> 3) & 1) * 16;
-    const int v_lane_off = ROWS * ROW_BYTES + (((lane >> 3) & 1) * 8 + (lane & 7)) * ROW_BYTES +
-                           (lane >> 4) * 16;
+    const int k_lane_row = (lane >> 4) * 8 + (lane & 7), k_lane_piece = (lane >> 3) & 1;
+    const int v_lane_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_lane_piece = lane >> 4;
 
     float acc[NTILES][4];
 #pragma unroll
@@ -198,7 +210,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             uint32_t kf[4];
-            ldmatrix_x4(kf, stage + k_lane_off + ks * 32);
+            ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(k_lane_row, ks * 2 + k_lane_piece));
             TC::mma(s[0], q_frag[ks], kf[0], kf[1]);
             TC::mma(s[1], q_frag[ks], kf[2], kf[3]);
         }
@@ -262,7 +274,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #pragma unroll
         for (int pair = 0; pair < NTILES / 2; ++pair) {
             uint32_t vf[4];
-            ldmatrix_x4_trans(vf, stage + v_lane_off + pair * 32);
+            ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
+                                      piece_offset<D, GMAX>(v_lane_row, pair * 2 + v_lane_piece));
             TC::mma(acc[2 * pair], a, vf[0], vf[1]);
             TC::mma(acc[2 * pair + 1], a, vf[2], vf[3]);
         }

@@ -313,6 +313,48 @@ fn gpu_matches_cpu_op() -> Result<()> {
     Ok(())
 }
 
+/// The first call on a device made inside graph capture cannot allocate the fused combine's
+/// counters, so it falls back to the separate combine kernel; the replayed graph must still give
+/// the right answer.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_first_call_in_graph_capture() -> Result<()> {
+    use candle_core::cuda::WrapErr;
+    use cudarc::driver::sys;
+    let Some(dev) = gpu() else { return Ok(()) };
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("gpu() returns a CUDA device")
+    };
+    // SAFETY: this device is used by this test only, on one stream.
+    unsafe { cuda.disable_event_tracking() };
+    let case = Case {
+        b: 2,
+        h_q: 8,
+        h_kv: 2,
+        d: 128,
+        l: 5000,
+        dtype: DType::BF16,
+    };
+    let (q, k, v) = common::random_qkv(&case, &dev)?;
+    let want = reference(&q, &k, &v, case.scale(), None)?;
+    let stream = cuda.cuda_stream();
+    stream.synchronize().w()?;
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .w()?;
+    let out = poisoned(case.scale())
+        .with_num_splits(Some(7))
+        .forward(&q, &k, &v);
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w()?;
+    let out = out?;
+    let Some(graph) = graph else {
+        panic!("the capture recorded no work")
+    };
+    graph.launch().w()?;
+    stream.synchronize().w()?;
+    assert_close("first call in capture", &out, &want.out, case.dtype)
+}
+
 #[test]
 fn gpu_rejects_bad_inputs() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

@@ -16,9 +16,6 @@ struct DecodeParams {
     float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs
     float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps
     const uint32_t* seqlens;  // (b,) or null
-    // (b, kv_heads) arrival counters, zero on entry and left zero; null when a separate combine
-    // kernel merges the splits.
-    uint32_t* split_counters;
     long long q_batch_stride, q_head_stride;
     long long k_batch_stride, k_seq_stride, k_head_stride;
     long long v_batch_stride, v_seq_stride, v_head_stride;

@@ -1,12 +1,10 @@
 // The end of the partial pass, shared by both kernel families: every warp of the CTA has left its
 // online-softmax state (unnormalised output row, running max, running sum, all base 2) for each
 // query head in shared memory; this merges the warps and writes either the final output (one
-// split) or the split's normalised partial output and LSE. With split counters, the last split of
-// each (batch, kv head) to finish then merges all splits of the group, so no combine launch is
-// needed.
+// split) or the split's normalised partial output and LSE.
 #pragma once
 
-#include "combine.cuh"
+#include "common.cuh"
 
 // Floats per (warp, head) slot: the output row, then the max and the sum.
 template <int D> __host__ __device__ constexpr int merge_slot_floats() { return D + 2; }
@@ -17,7 +15,7 @@ template <int D, int GMAX> __host__ __device__ constexpr int merge_smem_bytes() 
 
 // `merge` holds [warp][head][D + 2]; the caller has synchronised the CTA after filling it.
 template <typename T, int D, int GMAX>
-__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, float* merge,
+__device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float* merge,
                                                       int group, int split, int kv_head, int b) {
     constexpr int SLOT = merge_slot_floats<D>();
     const bool single = p.num_splits == 1;
@@ -49,27 +47,5 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, flo
             p.partial_out[slot * D + c] = value;
             if (c == 0) p.partial_lse[slot] = lse2;
         }
-    }
-    if (single || p.split_counters == nullptr) return;
-
-    // Publish this split's partials, then count arrivals; the last CTA sees every split's.
-    __shared__ bool last_split;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t* counter = p.split_counters + (long long)b * p.kv_heads + kv_head;
-        last_split = atomicAdd(counter, 1u) == (uint32_t)p.num_splits - 1;
-        if (last_split) *counter = 0;  // every split has arrived: ready for the next launch
-    }
-    __syncthreads();
-    if (!last_split) return;
-    __threadfence();
-    float* weight_s = merge;  // the merge slots are consumed
-    for (int g = 0; g < group; ++g) {
-        const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
-        combine_row<T>(p.partial_out + row_index * p.num_splits * D,
-                       p.partial_lse + row_index * p.num_splits, p.num_splits, D,
-                       static_cast<T*>(p.out) + row_index * D,
-                       p.lse_out == nullptr ? nullptr : p.lse_out + row_index, weight_s);
     }
 }

@@ -9,7 +9,6 @@ use cudarc::driver::{
     sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use half::{bf16, f16};
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
@@ -42,7 +41,6 @@ struct DecodeParams {
     partial_out: u64,
     partial_lse: u64,
     seqlens: u64,
-    split_counters: u64,
     q_batch_stride: i64,
     q_head_stride: i64,
     k_batch_stride: i64,
@@ -219,39 +217,6 @@ fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems: usize) ->
     let stream = dev.cuda_stream();
     let (ptr, _sync) = slice.device_ptr(&stream);
     ptr + (offset_elems * std::mem::size_of::<T>()) as u64
-}
-
-thread_local! {
-    /// Arrival counters for the fused combine, one per (batch, kv head), per device and host
-    /// thread: candle launches on the calling thread's stream, so launches from one thread are
-    /// ordered and never use the counters concurrently. They are zero between launches: the last
-    /// split of each pair resets its own.
-    static SPLIT_COUNTERS: RefCell<HashMap<DeviceId, CudaSlice<u32>>> = RefCell::default();
-}
-
-/// The counters for `pairs` (batch, kv head) pairs on `dev`, or `None` when they would have to be
-/// allocated while the stream is being captured into a graph (the allocation would belong to the
-/// graph); the separate combine kernel runs then.
-fn split_counters(dev: &CudaDevice, pairs: usize) -> Result<Option<u64>> {
-    SPLIT_COUNTERS.with_borrow_mut(|cache| {
-        if let Some(counters) = cache.get(&dev.id()) {
-            if counters.len() >= pairs {
-                return Ok(Some(device_ptr(counters, dev, 0)));
-            }
-        }
-        let stream = dev.cuda_stream();
-        // SAFETY: queries the capture state of candle's live stream.
-        let capture =
-            unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }.w()?;
-        if capture != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            return Ok(None);
-        }
-        // Replacing a smaller buffer frees it in stream order, after any launch still using it.
-        let counters = stream.alloc_zeros::<u32>(pairs.max(1024)).w()?;
-        let ptr = device_ptr(&counters, dev, 0);
-        cache.insert(dev.id(), counters);
-        Ok(Some(ptr))
-    })
 }
 
 /// CTAs of one partial kernel resident on the whole GPU at once, per (device, kernel name). The
@@ -435,11 +400,6 @@ fn launch<T: CudaDType + DeviceRepr>(
         bail!("split-kv attention: seqlens_k must be contiguous")
     }
 
-    let split_counters = if plan.num_splits > 1 {
-        split_counters(&dev, dims.batch * dims.kv_heads)?
-    } else {
-        None
-    };
     let params = DecodeParams {
         q: device_ptr(q.as_cuda_slice::<T>()?, &dev, q_strides.offset),
         k: device_ptr(k.as_cuda_slice::<T>()?, &dev, k_strides.offset),
@@ -449,7 +409,6 @@ fn launch<T: CudaDType + DeviceRepr>(
         partial_out: partial_out_ptr,
         partial_lse: partial_lse_ptr,
         seqlens: seqlens_ptr,
-        split_counters: split_counters.unwrap_or(0),
         q_batch_stride: q_strides.batch as i64,
         q_head_stride: q_strides.head as i64,
         k_batch_stride: k_strides.batch as i64,
@@ -483,7 +442,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     // `batch` entries, and writes only the buffers allocated above, sized for this launch.
     unsafe { builder.launch(cfg) }.w()?;
 
-    if plan.num_splits > 1 && split_counters.is_none() {
+    if plan.num_splits > 1 {
         let combine = dev.get_or_load_custom_func(
             &format!("split_kv_combine_{}", dtype_tag(q.dtype())?),
             "split_kv_combine",

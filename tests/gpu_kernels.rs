@@ -313,9 +313,9 @@ fn gpu_matches_cpu_op() -> Result<()> {
     Ok(())
 }
 
-/// The first call on a device made inside graph capture cannot allocate the fused combine's
-/// counters, so it falls back to the separate combine kernel; the replayed graph must still give
-/// the right answer.
+/// The op captured into a CUDA graph as the first call on a fresh device (kernel setup, scratch
+/// allocation and the combine launch all inside the capture): the replayed graph must give the
+/// right answer.
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_first_call_in_graph_capture() -> Result<()> {

@@ -25,6 +25,11 @@ const DECODE_MMA_BF16_PTX: &str =
     include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_mma_bf16.ptx"));
 const COMBINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/combine.ptx"));
 
+/// Shortest chunk the CUDA plan cuts: a split costs a CTA's setup and a partial row written and
+/// re-read, a few hundred nanoseconds, so at short contexts more, shorter splits win until each
+/// warp streams only a couple of 16-row tiles.
+const GPU_MIN_CHUNK: usize = 128;
+
 /// Threads per CTA of the partial kernel (`kThreads` in kernels/split_kv_decode.cuh).
 const DECODE_THREADS: u32 = 128;
 const COMBINE_THREADS: u32 = 128;
@@ -296,7 +301,7 @@ pub fn split_plan(
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
     let kernel = DecodeKernel::load(dev, op.cuda_kernel, dtype, dims)?;
-    Ok(op.plan(dims, kernel.parallel_slots))
+    Ok(op.plan(dims, kernel.parallel_slots, GPU_MIN_CHUNK))
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -349,7 +354,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     let kernel = DecodeKernel::load(&dev, op.cuda_kernel, q.dtype(), &dims)?;
     let (decode, smem) = (&kernel.func, kernel.smem_bytes);
-    let plan = op.plan(&dims, kernel.parallel_slots);
+    let plan = op.plan(&dims, kernel.parallel_slots, GPU_MIN_CHUNK);
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
     let rows = dims.batch * dims.q_heads;

@@ -114,7 +114,7 @@ impl SplitKvAttention {
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let dims = validate::check_tensors(q, k, k)?;
         match q.device() {
-            Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots())),
+            Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots(), plan::MIN_CHUNK)),
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) => crate::cuda::split_plan(self, dev, q.dtype(), &dims),
             other => bail!(
@@ -125,10 +125,21 @@ impl SplitKvAttention {
     }
 
     /// The split plan for these sizes on hardware running `parallel_slots` units at once.
-    pub(crate) fn plan(&self, dims: &DecodeDims, parallel_slots: usize) -> SplitPlan {
+    pub(crate) fn plan(
+        &self,
+        dims: &DecodeDims,
+        parallel_slots: usize,
+        min_chunk: usize,
+    ) -> SplitPlan {
         match self.num_splits {
             Some(n) => plan::forced(dims.kv_len, n),
-            None => plan::plan(dims.batch, dims.kv_heads, dims.kv_len, parallel_slots),
+            None => plan::plan_with_min_chunk(
+                dims.batch,
+                dims.kv_heads,
+                dims.kv_len,
+                parallel_slots,
+                min_chunk,
+            ),
         }
     }
 
@@ -186,7 +197,7 @@ impl SplitKvAttention {
             dims,
             softmax_scale: self.softmax_scale,
         };
-        let (out, lse) = cpu::decode(&inputs, self.plan(&dims, slots));
+        let (out, lse) = cpu::decode(&inputs, self.plan(&dims, slots, plan::MIN_CHUNK));
         self.deliver_lse(|| Tensor::from_vec(lse, (dims.batch, dims.q_heads, 1), &Device::Cpu))?;
         Ok(out)
     }

@@ -33,9 +33,22 @@ pub struct SplitPlan {
 /// - Otherwise as many splits as fit in one wave of the slots, with chunks of at least
 ///   [`MIN_CHUNK`] positions, rounded to [`CHUNK_ALIGN`], and at most [`MAX_SPLITS`] splits.
 pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize) -> SplitPlan {
+    plan_with_min_chunk(batch, kv_heads, seq_len, parallel_slots, MIN_CHUNK)
+}
+
+/// [`plan`] with another floor than [`MIN_CHUNK`] on the chunk length, for backends whose
+/// per-split cost is lower (at least [`CHUNK_ALIGN`]).
+pub fn plan_with_min_chunk(
+    batch: usize,
+    kv_heads: usize,
+    seq_len: usize,
+    parallel_slots: usize,
+    min_chunk: usize,
+) -> SplitPlan {
+    let min_chunk = min_chunk.max(CHUNK_ALIGN);
     let units = (batch * kv_heads).max(1);
     let slots = parallel_slots.max(1);
-    if seq_len <= MIN_CHUNK || units >= slots {
+    if seq_len <= min_chunk || units >= slots {
         return SplitPlan {
             num_splits: 1,
             chunk_size: seq_len.max(1),
@@ -43,7 +56,7 @@ pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize
     }
     // Round down: one more split than fits would start a second, nearly empty wave.
     let wanted = (slots / units).clamp(1, MAX_SPLITS);
-    chunked(seq_len, wanted)
+    chunked(seq_len, wanted, min_chunk)
 }
 
 /// The plan for a split count forced by the caller: `num_splits` is clamped to what the sequence
@@ -57,12 +70,12 @@ pub fn forced(seq_len: usize, num_splits: usize) -> SplitPlan {
     }
 }
 
-fn chunked(seq_len: usize, wanted_splits: usize) -> SplitPlan {
-    let chunk = seq_len.div_ceil(wanted_splits).max(MIN_CHUNK);
+fn chunked(seq_len: usize, wanted_splits: usize, min_chunk: usize) -> SplitPlan {
+    let chunk = seq_len.div_ceil(wanted_splits).max(min_chunk);
     let chunk_size = chunk.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
     let num_splits = seq_len.div_ceil(chunk_size);
     if num_splits > MAX_SPLITS {
-        return chunked(seq_len, MAX_SPLITS);
+        return chunked(seq_len, MAX_SPLITS, min_chunk);
     }
     SplitPlan {
         num_splits,

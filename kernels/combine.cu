@@ -11,6 +11,7 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     __shared__ float weight_s[kMaxSplits];
     __shared__ float inv_total_s;
     __shared__ float lse_s;
+    wait_for_prerequisite_grid();
     const int row = blockIdx.x;
     const int splits = p.num_splits;
     const float* lse = p.partial_lse + (long long)row * splits;

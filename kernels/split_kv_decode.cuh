@@ -48,6 +48,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)Cfg::kTotalSmem) __trap();
+    allow_dependent_launch();
 
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;

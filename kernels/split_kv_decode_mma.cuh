@@ -123,6 +123,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)Cfg::kSmemBytes) __trap();
+    allow_dependent_launch();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane >> 2;  // fragment row: head quad_row (and quad_row + 8)

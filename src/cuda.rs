@@ -25,10 +25,16 @@ const DECODE_MMA_BF16_PTX: &str =
     include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_mma_bf16.ptx"));
 const COMBINE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/combine.ptx"));
 
-/// Shortest chunk the CUDA plan cuts: a split costs a CTA's setup and a partial row written and
-/// re-read, a few hundred nanoseconds, so at short contexts more, shorter splits win until each
-/// warp streams only a couple of 16-row tiles.
-const GPU_MIN_CHUNK: usize = 128;
+/// Shortest chunk the CUDA plan cuts. Below 2048 positions, 256-position chunks leave fewer than
+/// eight splits and each warp streams its tiles one latency after another, so 128 is allowed
+/// there; at 4096 and beyond, 128-position chunks measured slower (more splits to combine).
+fn gpu_min_chunk(kv_len: usize) -> usize {
+    if kv_len < 8 * crate::plan::MIN_CHUNK {
+        128
+    } else {
+        crate::plan::MIN_CHUNK
+    }
+}
 
 /// Threads per CTA of the partial kernel (`kThreads` in kernels/split_kv_decode.cuh).
 const DECODE_THREADS: u32 = 128;
@@ -301,7 +307,7 @@ pub fn split_plan(
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
     let kernel = DecodeKernel::load(dev, op.cuda_kernel, dtype, dims)?;
-    Ok(op.plan(dims, kernel.parallel_slots, GPU_MIN_CHUNK))
+    Ok(op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len)))
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -354,7 +360,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     let kernel = DecodeKernel::load(&dev, op.cuda_kernel, q.dtype(), &dims)?;
     let (decode, smem) = (&kernel.func, kernel.smem_bytes);
-    let plan = op.plan(&dims, kernel.parallel_slots, GPU_MIN_CHUNK);
+    let plan = op.plan(&dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
     let rows = dims.batch * dims.q_heads;
@@ -463,15 +469,19 @@ fn launch<T: CudaDType + DeviceRepr>(
             head_dim: dims.head_dim as i32,
             reserved: 0,
         };
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (COMBINE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut builder = combine.builder();
-        builder.arg(&params);
-        // SAFETY: reads the partial buffers written above and writes `rows` outputs.
-        unsafe { builder.launch(cfg) }.w()?;
+        if compiled_compute_cap() >= 90 {
+            launch_dependent(&combine, &dev, rows as u32, COMBINE_THREADS, &params)?;
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (rows as u32, 1, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut builder = combine.builder();
+            builder.arg(&params);
+            // SAFETY: reads the partial buffers written above and writes `rows` outputs.
+            unsafe { builder.launch(cfg) }.w()?;
+        }
     }
     drop(scratch);
 
@@ -491,6 +501,52 @@ fn launch<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev),
         q_layout.shape().clone(),
     ))
+}
+
+/// Launches the combine kernel as a programmatic dependent of the partial kernel (sm_90): its CTAs
+/// are scheduled while the partial grid runs and wait in-kernel (`griddepcontrol.wait`) for that
+/// grid to finish, which hides the launch gap between the two.
+fn launch_dependent(
+    func: &CudaFunction,
+    dev: &CudaDevice,
+    grid: u32,
+    block: u32,
+    params: &CombineParams,
+) -> Result<()> {
+    // SAFETY: a plain-old-data union; the field set below is the one the attribute id selects.
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let stream = dev.cuda_stream();
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: stream.cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const CombineParams as *mut std::ffi::c_void];
+    // SAFETY: `func` takes one `CombineParams` by value, which `args` points to for the duration
+    // of the call; the kernel reads the partial buffers and writes `grid` output rows.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .w()
 }
 
 /// Fills a buffer with NaN bytes, so that tests catch any element the kernels fail to write.

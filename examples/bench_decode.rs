@@ -3,6 +3,8 @@
 //! ```text
 //! cargo run --release --example bench_decode -- --device cpu
 //! cargo run --release --features cuda --example bench_decode -- --device cuda --json
+//! cargo run --release --features cuda --example bench_decode -- --device cuda \
+//!     --kernels tensor-core,cuda-core --batch 16 --heads 64:8:128 --len 131072
 //! ```
 //!
 //! On CUDA, inputs rotate over enough buffer sets that one sweep reads at least 512 MiB of K/V

@@ -21,6 +21,10 @@ use clap::{Parser, ValueEnum};
 use rayon::prelude::*;
 use serde_json::json;
 
+#[path = "common/timing.rs"]
+mod timing;
+use timing::median;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Backend {
     /// This crate's op.
@@ -224,11 +228,6 @@ fn run_naive(x: &Inputs, hq: usize, scale: f64) -> Result<Tensor> {
     Ok(att.matmul(&v)?.transpose(1, 2)?)
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    xs[xs.len() / 2]
-}
-
 fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: serde_json::Value) {
     let gbps = p.bytes() as f64 / us / 1e3;
     let mut line = json!({
@@ -348,65 +347,10 @@ mod gpu {
     //! CUDA timing: rotated buffer sets, graph capture, CUDA events.
     use super::*;
     use candle_splitkv::CudaKernel;
-    use cudarc::driver::sys;
 
     /// Buffer sets so that one sweep reads at least 512 MiB of K/V, at most 32.
     pub fn rotation(p: &Point) -> usize {
         (512usize << 20).div_ceil(p.kv_bytes()).clamp(1, 32)
-    }
-
-    /// Median GPU µs per call of `call(i)` over the rotated sets: graph-captured where the
-    /// driver allows it, otherwise back-to-back launches.
-    pub fn time(
-        dev: &candle_core::CudaDevice,
-        sets: usize,
-        reps: usize,
-        call: &dyn Fn(usize) -> Result<()>,
-    ) -> Result<(f64, &'static str)> {
-        let stream = dev.cuda_stream();
-        for i in 0..sets {
-            call(i)?;
-        }
-        stream.synchronize()?;
-        let graph = (|| -> Result<Option<cudarc::driver::CudaGraph>> {
-            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            let captured: Result<()> = (0..sets).try_for_each(call);
-            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0))?;
-            captured?;
-            Ok(graph)
-        })()
-        .ok()
-        .flatten();
-        let ctx = stream.context();
-        let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut samples = Vec::with_capacity(reps);
-        // Back-to-back runs repeat the sweep so that each sample spans enough work.
-        let eager_sweeps = 4;
-        for _ in 0..reps + 1 {
-            let start = ctx.new_event(timing)?;
-            let end = ctx.new_event(timing)?;
-            start.record(&stream)?;
-            let calls = match &graph {
-                Some(g) => {
-                    g.launch()?;
-                    sets
-                }
-                None => {
-                    for _ in 0..eager_sweeps {
-                        (0..sets).try_for_each(call)?;
-                    }
-                    sets * eager_sweeps
-                }
-            };
-            end.record(&stream)?;
-            end.synchronize()?;
-            samples.push(start.elapsed_ms(&end)? as f64 * 1e3 / calls as f64);
-        }
-        samples.remove(0); // the first replay uploads the graph
-        Ok((
-            median(samples),
-            if graph.is_some() { "graph" } else { "eager" },
-        ))
     }
 
     impl KernelArg {
@@ -450,7 +394,7 @@ mod gpu {
                     .with_cuda_kernel(kernel.choice());
                 let (k, _) = inputs[0].kv_views()?;
                 let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
-                let (us, how) = time(cuda, sets, args.reps, &|i| {
+                let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
                     run_splitkv(&op, &inputs[i]).map(drop)
                 })?;
                 report(
@@ -463,7 +407,7 @@ mod gpu {
                 );
             }
             if args.backend != Backend::Splitkv {
-                let (us, how) = time(cuda, sets, args.reps, &|i| {
+                let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
                     run_naive(&inputs[i], p.hq, scale).map(drop)
                 })?;
                 report(

@@ -1,7 +1,9 @@
 //! End-to-end decode benchmark: a Llama with random weights, its cache filled to context C with
 //! random keys and values (timing decode is the point, not prefill), then ≥ 32 timed decode steps
 //! after 4 warm-up steps, for:
-//! - `splitkv`: our model, decode attention through the split-KV op;
+//! - `splitkv`: our model, decode attention through the split-KV op (on CUDA with 16-bit
+//!   weights, the projections run fused with their norms, activation and residual adds);
+//! - `splitkv_unfused`: the same with candle's separate ops around the projections (A/B);
 //! - `naive`: our model with candle's naive attention over the same cache;
 //! - `candle_stock`: candle-transformers' Llama on the same weights, its cache filled by a
 //!   chunked prefill (it has no other way in), up to `--stock-max-context`.
@@ -48,6 +50,7 @@ enum Preset {
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Backend {
     Splitkv,
+    SplitkvUnfused,
     Naive,
     CandleStock,
 }
@@ -77,6 +80,10 @@ struct Args {
     /// bf16, f16 or f32 (default: bf16 on CUDA, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// Keep cudarc's per-buffer event tracking (two CUDA events per allocation, recorded at every
+    /// launch). Everything here runs on candle's one stream, so by default it is turned off.
+    #[arg(long)]
+    event_tracking: bool,
 }
 
 fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> LlamaConfig {
@@ -355,6 +362,11 @@ fn main() -> Result<()> {
     } else {
         Device::cuda_if_available(0)?
     };
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(cuda), false) = (&device, args.event_tracking) {
+        // SAFETY: every tensor of this program lives and is used on candle's single stream.
+        unsafe { cuda.disable_event_tracking() };
+    }
     let dtype = match args.dtype.as_deref() {
         None if device.is_cpu() => DType::F32,
         None | Some("bf16") => DType::BF16,
@@ -406,11 +418,15 @@ fn main() -> Result<()> {
             let mut model = Llama::from_var_builder(vb, config.clone(), dtype, options)?;
             fill_cache(&mut model, context)?;
             for &backend in &args.backends {
-                let (ours, label) = match backend {
-                    Backend::Splitkv => (AttentionBackend::SplitKv, "splitkv"),
-                    Backend::Naive => (AttentionBackend::Naive, "naive"),
+                let (ours, fused, label) = match backend {
+                    Backend::Splitkv => (AttentionBackend::SplitKv, true, "splitkv"),
+                    Backend::SplitkvUnfused => {
+                        (AttentionBackend::SplitKv, false, "splitkv_unfused")
+                    }
+                    Backend::Naive => (AttentionBackend::Naive, true, "naive"),
                     Backend::CandleStock => continue,
                 };
+                model.set_fused_decode(fused);
                 match run_ours(&mut model, ours, context, args.steps) {
                     Ok((ms, attention_ms)) => report.line(label, ms, Some(attention_ms)),
                     Err(e) => report.error(label, &e.to_string()),

@@ -11,6 +11,8 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     __shared__ float weight_s[kMaxSplits];
     __shared__ float inv_total_s;
     __shared__ float lse_s;
+    // Let the next kernel (e.g. the output projection) start streaming its weights early.
+    allow_dependent_launch();
     wait_for_prerequisite_grid();
     const int row = blockIdx.x;
     const int splits = p.num_splits;

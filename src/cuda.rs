@@ -3,15 +3,13 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, WrapErr};
-use candle_core::cuda_backend::DeviceId;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use cudarc::driver::{
-    sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
-use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
 
+use crate::cuda_launch::{
+    compiled_compute_cap, device_ptr, launch_programmatic, poison, resident_ctas,
+};
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
 use crate::validate::{self, DecodeDims, RowStrides};
@@ -147,11 +145,6 @@ fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
 /// Warps per CTA of both partial kernels (`kWarps` in kernels/common.cuh).
 const WARPS: usize = 4;
 
-/// The target architecture build.rs compiled the PTX for.
-fn compiled_compute_cap() -> u32 {
-    env!("CANDLE_SPLITKV_COMPUTE_CAP").parse().unwrap_or(0)
-}
-
 /// The kernel family that runs for `choice` and `dtype`.
 fn resolve_family(choice: CudaKernel, dtype: DType) -> Result<CudaKernel> {
     let tensor_cores = dtype != DType::F32 && compiled_compute_cap() >= 80;
@@ -224,17 +217,6 @@ fn check_alignment(
     Ok(())
 }
 
-fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems: usize) -> u64 {
-    let stream = dev.cuda_stream();
-    let (ptr, _sync) = slice.device_ptr(&stream);
-    ptr + (offset_elems * std::mem::size_of::<T>()) as u64
-}
-
-/// CTAs of one partial kernel resident on the whole GPU at once, per (device, kernel name). The
-/// first launch of a kernel on a device also raises its shared-memory limit; later launches skip
-/// those driver calls.
-static PARALLEL_SLOTS: OnceLock<Mutex<HashMap<(DeviceId, String), usize>>> = OnceLock::new();
-
 /// The partial kernel for one (family, dtype, head dim, group bucket), ready to launch.
 struct DecodeKernel {
     func: CudaFunction,
@@ -260,37 +242,7 @@ impl DecodeKernel {
         };
         let name = format!("{module}_d{}_g{gmax}", dims.head_dim);
         let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
-        let key = (dev.id(), name);
-        let cache = PARALLEL_SLOTS.get_or_init(Default::default);
-        let known = cache.lock().ok().and_then(|c| c.get(&key).copied());
-        let parallel_slots = match known {
-            Some(slots) => slots,
-            None => {
-                func.set_attribute(
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_bytes as i32,
-                )
-                .w()?;
-                let sms = dev
-                    .cuda_stream()
-                    .context()
-                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                    .w()? as usize;
-                let per_sm = func
-                    .occupancy_max_active_blocks_per_multiprocessor(
-                        DECODE_THREADS,
-                        smem_bytes,
-                        None,
-                    )
-                    .w()?
-                    .max(1) as usize;
-                let slots = sms * per_sm;
-                if let Ok(mut c) = cache.lock() {
-                    c.insert(key, slots);
-                }
-                slots
-            }
-        };
+        let parallel_slots = resident_ctas(dev, &name, &func, DECODE_THREADS, smem_bytes)?;
         Ok(Self {
             func,
             smem_bytes,
@@ -470,7 +422,11 @@ fn launch<T: CudaDType + DeviceRepr>(
             reserved: 0,
         };
         if compiled_compute_cap() >= 90 {
-            launch_dependent(&combine, &dev, rows as u32, COMBINE_THREADS, &params)?;
+            // SAFETY: `split_kv_combine_*` takes one `CombineParams`; it reads the partial
+            // buffers written above and writes `rows` outputs.
+            unsafe {
+                launch_programmatic(&combine, &dev, rows as u32, COMBINE_THREADS, 0, &params)?
+            };
         } else {
             let cfg = LaunchConfig {
                 grid_dim: (rows as u32, 1, 1),
@@ -501,59 +457,4 @@ fn launch<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev),
         q_layout.shape().clone(),
     ))
-}
-
-/// Launches the combine kernel as a programmatic dependent of the partial kernel (sm_90): its CTAs
-/// are scheduled while the partial grid runs and wait in-kernel (`griddepcontrol.wait`) for that
-/// grid to finish, which hides the launch gap between the two.
-fn launch_dependent(
-    func: &CudaFunction,
-    dev: &CudaDevice,
-    grid: u32,
-    block: u32,
-    params: &CombineParams,
-) -> Result<()> {
-    // SAFETY: a plain-old-data union; the field set below is the one the attribute id selects.
-    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-    value.programmaticStreamSerializationAllowed = 1;
-    let mut attribute = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value,
-    };
-    let stream = dev.cuda_stream();
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream.cu_stream(),
-        attrs: &mut attribute,
-        numAttrs: 1,
-    };
-    let mut args = [params as *const CombineParams as *mut std::ffi::c_void];
-    // SAFETY: `func` takes one `CombineParams` by value, which `args` points to for the duration
-    // of the call; the kernel reads the partial buffers and writes `grid` output rows.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            func.cu_function(),
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-    .w()
-}
-
-/// Fills a buffer with NaN bytes, so that tests catch any element the kernels fail to write.
-fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
-    let stream = dev.cuda_stream();
-    let (ptr, _sync) = buf.device_ptr(&stream);
-    let bytes = buf.len() * std::mem::size_of::<T>();
-    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
-    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
 }

@@ -29,6 +29,9 @@ pub mod cache;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_launch;
+pub mod fused_linear;
 pub mod models;
 mod op;
 pub mod plan;
@@ -38,6 +41,7 @@ use candle_core::{Result, Tensor};
 
 pub use attention::{cached_attention, AttentionBackend, CachedAttention};
 pub use cache::{KvCache, KvCacheConfig};
+pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 pub use op::{CudaKernel, SplitKvAttention};
 pub use validate::SUPPORTED_HEAD_DIMS;
 

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
 use candle_transformers::models::llama as stock;
 use common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, VOCAB};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -33,10 +33,17 @@ fn argmax(logits: &Tensor) -> Result<u32> {
 }
 
 /// Prefill in `chunks`, then 32 greedy steps, against the stock model (prompt in one call).
-fn check_against_stock(backend: AttentionBackend, chunks: &[usize]) -> Result<()> {
+/// `joined`: the layout of the fused decode kernels (q/k/v joined, gate/up interleaved), which
+/// on the CPU runs through candle's ops.
+fn check_against_stock(backend: AttentionBackend, chunks: &[usize], joined: bool) -> Result<()> {
     let dir = tempfile::tempdir()?;
     write_tiny_model(dir.path())?;
-    let loaded = Llama::load(dir.path(), &Device::Cpu, backend)?;
+    let options = LoadOptions {
+        backend,
+        joined_layers: Some(joined),
+        ..LoadOptions::default()
+    };
+    let loaded = Llama::load_with(dir.path(), &Device::Cpu, options)?;
     let mut ours = loaded.model;
     assert_eq!(ours.backend(), backend);
     assert_eq!(ours.context_length(), CONTEXT);
@@ -85,7 +92,7 @@ fn check_against_stock(backend: AttentionBackend, chunks: &[usize]) -> Result<()
         worst_decode = worst_decode.max(max_abs_diff(&ours_logits, &stock_logits)?);
     }
     eprintln!(
-        "{backend:?}, prompt {chunks:?}: logits max |diff| prompt {prompt_diff:.2e}, decode \
+        "{backend:?}, joined {joined}, prompt {chunks:?}: logits max |diff| prompt {prompt_diff:.2e}, decode \
          {worst_decode:.2e} (logit scale {scale:.1}); greedy tokens {:?}",
         ours_tokens
     );
@@ -121,17 +128,22 @@ fn check_against_stock(backend: AttentionBackend, chunks: &[usize]) -> Result<()
 #[test]
 fn split_kv_matches_stock_llama_with_a_two_block_prompt() -> Result<()> {
     // 300 prompt tokens span two prefill blocks.
-    check_against_stock(AttentionBackend::SplitKv, &[300])
+    check_against_stock(AttentionBackend::SplitKv, &[300], false)
 }
 
 #[test]
 fn split_kv_matches_stock_llama_with_a_chunked_prompt() -> Result<()> {
-    check_against_stock(AttentionBackend::SplitKv, &[37, 1, 90])
+    check_against_stock(AttentionBackend::SplitKv, &[37, 1, 90], false)
+}
+
+#[test]
+fn joined_layers_match_stock_llama() -> Result<()> {
+    check_against_stock(AttentionBackend::SplitKv, &[37, 1, 90], true)
 }
 
 #[test]
 fn naive_backend_matches_stock_llama() -> Result<()> {
-    check_against_stock(AttentionBackend::Naive, &[45])
+    check_against_stock(AttentionBackend::Naive, &[45], false)
 }
 
 #[test]

@@ -10,6 +10,7 @@
 mod config;
 mod gguf;
 mod hf;
+mod joined;
 mod rope;
 
 use std::path::Path;
@@ -24,7 +25,8 @@ use crate::cache::{KvCache, KvCacheConfig};
 pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
 pub use crate::attention::AttentionBackend;
 pub use config::{LlamaConfig, RopeScaling};
-pub use rope::{RopeLayout, RotaryEmbedding};
+use joined::{JoinedHead, JoinedLayer, LayerTensors};
+pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};
 
 /// Positions each layer's cache holds before its first growth (capped at the context length).
 const DEFAULT_INITIAL_CACHE_CAPACITY: usize = 1024;
@@ -44,6 +46,9 @@ pub struct LoadOptions {
     pub cache_dtype: Option<DType>,
     /// Positions allocated per layer cache up front; the cache doubles from there.
     pub initial_cache_capacity: usize,
+    /// Join each layer's dense projections (q/k/v, gate/up) for the fused decode kernels.
+    /// `None`: where those kernels run, i.e. f16/bf16 on CUDA. Dense (HF) checkpoints only.
+    pub joined_layers: Option<bool>,
 }
 
 impl Default for LoadOptions {
@@ -54,6 +59,7 @@ impl Default for LoadOptions {
             weight_forms: WeightFormPolicy::Measure,
             cache_dtype: None,
             initial_cache_capacity: DEFAULT_INITIAL_CACHE_CAPACITY,
+            joined_layers: None,
         }
     }
 }
@@ -84,12 +90,11 @@ impl SelfAttention {
     fn forward(
         &self,
         x: &Tensor,
-        rope: &RotaryEmbedding,
+        angles: &RopeAngles,
         attention: &CachedAttention,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let starts = cache.seq_lens().to_vec();
         let q = self
             .q_proj
             .forward(x)?
@@ -102,8 +107,8 @@ impl SelfAttention {
             .v_proj
             .forward(x)?
             .reshape((b, t, self.kv_heads, self.head_dim))?;
-        let q = rope.apply(&q, &starts)?;
-        let k = rope.apply(&k, &starts)?;
+        let q = angles.apply(&q)?;
+        let k = angles.apply(&k)?;
         let y = attention.forward(&q, &k, &v, cache)?;
         self.o_proj
             .forward(&y.reshape((b, t, self.q_heads * self.head_dim))?)
@@ -133,13 +138,42 @@ struct DecoderLayer {
     mlp: Mlp,
 }
 
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        angles: &RopeAngles,
+        attention: &CachedAttention,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let h = self.attention.forward(&h, angles, attention, cache)?;
+        let x = (x + h)?;
+        let h = self.mlp.forward(&self.post_attention_norm.forward(&x)?)?;
+        x + h
+    }
+}
+
+/// A layer as loaded: separate projections in any weight form, or dense and joined for the
+/// fused decode kernels (f16/bf16 on CUDA).
+#[derive(Debug, Clone)]
+enum Layer {
+    Separate(Box<DecoderLayer>),
+    Joined(JoinedLayer),
+}
+
 /// The weights of a model, however they were loaded.
 #[derive(Debug, Clone)]
 struct Weights {
     embed_tokens: Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
+    layers: Vec<Layer>,
+    head: Head,
+}
+
+#[derive(Debug, Clone)]
+enum Head {
+    Separate { norm: RmsNorm, lm_head: Linear },
+    Joined(JoinedHead),
 }
 
 /// A Llama model with one KV cache per layer, for one sequence at a time.
@@ -153,6 +187,7 @@ pub struct Llama {
     dtype: DType,
     device: Device,
     weight_choices: Vec<WeightChoice>,
+    fused_decode: bool,
 }
 
 impl Llama {
@@ -193,55 +228,87 @@ impl Llama {
     ) -> Result<Self> {
         config.validate()?;
         let c = &config;
-        let dense = |vb: &VarBuilder, out: usize, inp: usize| -> Result<Linear> {
-            Ok(Linear::dense(vb.get((out, inp), "weight")?))
-        };
-        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(
-                vb.get(c.hidden_size, "weight")?,
-                c.rms_norm_eps,
-            ))
-        };
+        // On CUDA, dense 16-bit weights decode through the fused kernels (see `fused_linear`).
+        let join = options
+            .joined_layers
+            .unwrap_or_else(|| vb.device().is_cuda() && matches!(dtype, DType::F16 | DType::BF16));
+        let eps = c.rms_norm_eps as f32;
+        let matrix = |vb: &VarBuilder, out: usize, inp: usize| vb.get((out, inp), "weight");
+        let norm_weight = |vb: VarBuilder| vb.get(c.hidden_size, "weight");
+        let norm = |weight: &Tensor| RmsNorm::new(weight.clone(), c.rms_norm_eps);
         let embed = vb.get((c.vocab_size, c.hidden_size), "model.embed_tokens.weight")?;
         let lm_head = if c.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
-            Linear::dense(embed.clone())
+            embed.clone()
         } else {
-            dense(&vb.pp("lm_head"), c.vocab_size, c.hidden_size)?
+            matrix(&vb.pp("lm_head"), c.vocab_size, c.hidden_size)?
         };
-        let (q_size, kv_size) = (
+        let (q_size, kv_size, ffn) = (
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
+            c.intermediate_size,
         );
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let vb = vb.pp(format!("model.layers.{i}"));
                 let attn = vb.pp("self_attn");
                 let mlp = vb.pp("mlp");
-                Ok(DecoderLayer {
-                    input_norm: norm(vb.pp("input_layernorm"))?,
+                let t = LayerTensors {
+                    q: matrix(&attn.pp("q_proj"), q_size, c.hidden_size)?,
+                    k: matrix(&attn.pp("k_proj"), kv_size, c.hidden_size)?,
+                    v: matrix(&attn.pp("v_proj"), kv_size, c.hidden_size)?,
+                    o: matrix(&attn.pp("o_proj"), c.hidden_size, q_size)?,
+                    gate: matrix(&mlp.pp("gate_proj"), ffn, c.hidden_size)?,
+                    up: matrix(&mlp.pp("up_proj"), ffn, c.hidden_size)?,
+                    down: matrix(&mlp.pp("down_proj"), c.hidden_size, ffn)?,
+                    input_norm: norm_weight(vb.pp("input_layernorm"))?,
+                    post_attention_norm: norm_weight(vb.pp("post_attention_layernorm"))?,
+                };
+                if join {
+                    return Ok(Layer::Joined(JoinedLayer::new(
+                        t,
+                        eps,
+                        c.num_attention_heads,
+                        c.num_key_value_heads,
+                        c.head_dim,
+                    )?));
+                }
+                Ok(Layer::Separate(Box::new(DecoderLayer {
+                    input_norm: norm(&t.input_norm),
                     attention: SelfAttention {
-                        q_proj: dense(&attn.pp("q_proj"), q_size, c.hidden_size)?,
-                        k_proj: dense(&attn.pp("k_proj"), kv_size, c.hidden_size)?,
-                        v_proj: dense(&attn.pp("v_proj"), kv_size, c.hidden_size)?,
-                        o_proj: dense(&attn.pp("o_proj"), c.hidden_size, q_size)?,
+                        q_proj: Linear::dense(t.q),
+                        k_proj: Linear::dense(t.k),
+                        v_proj: Linear::dense(t.v),
+                        o_proj: Linear::dense(t.o),
                         q_heads: c.num_attention_heads,
                         kv_heads: c.num_key_value_heads,
                         head_dim: c.head_dim,
                     },
-                    post_attention_norm: norm(vb.pp("post_attention_layernorm"))?,
+                    post_attention_norm: norm(&t.post_attention_norm),
                     mlp: Mlp {
-                        gate_proj: dense(&mlp.pp("gate_proj"), c.intermediate_size, c.hidden_size)?,
-                        up_proj: dense(&mlp.pp("up_proj"), c.intermediate_size, c.hidden_size)?,
-                        down_proj: dense(&mlp.pp("down_proj"), c.hidden_size, c.intermediate_size)?,
+                        gate_proj: Linear::dense(t.gate),
+                        up_proj: Linear::dense(t.up),
+                        down_proj: Linear::dense(t.down),
                     },
-                })
+                })))
             })
             .collect::<Result<Vec<_>>>()?;
+        let final_norm = norm_weight(vb.pp("model.norm"))?;
+        let head = if join {
+            Head::Joined(JoinedHead {
+                norm: final_norm,
+                lm_head,
+                eps,
+            })
+        } else {
+            Head::Separate {
+                norm: norm(&final_norm),
+                lm_head: Linear::dense(lm_head),
+            }
+        };
         let weights = Weights {
             embed_tokens: Embedding::new(embed, c.hidden_size),
             layers,
-            norm: norm(vb.pp("model.norm"))?,
-            lm_head,
+            head,
         };
         let device = vb.device().clone();
         Self::from_parts(
@@ -292,6 +359,7 @@ impl Llama {
             dtype,
             device: device.clone(),
             weight_choices: Vec::new(),
+            fused_decode: true,
         })
     }
 
@@ -322,21 +390,21 @@ impl Llama {
         let t = tokens.len();
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let mut x = self.weights.embed_tokens.forward(&input)?;
+        let angles = self.rope.angles(&[self.cache_len()], t)?;
         for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
-            let h = layer.input_norm.forward(&x)?;
-            let h = layer
-                .attention
-                .forward(&h, &self.rope, &self.attention, cache)?;
-            x = (x + h)?;
-            let h = layer.mlp.forward(&layer.post_attention_norm.forward(&x)?)?;
-            x = (x + h)?;
+            x = match layer {
+                Layer::Separate(layer) => layer.forward(&x, &angles, &self.attention, cache)?,
+                Layer::Joined(layer) => {
+                    layer.forward(&x, &angles, &self.attention, cache, self.fused_decode)?
+                }
+            };
         }
-        let last = self.weights.norm.forward(&x.narrow(1, t - 1, 1)?)?;
-        self.weights
-            .lm_head
-            .forward(&last)?
-            .flatten_all()?
-            .to_dtype(DType::F32)
+        let last = x.narrow(1, t - 1, 1)?;
+        let logits = match &self.weights.head {
+            Head::Separate { norm, lm_head } => lm_head.forward(&norm.forward(&last)?)?,
+            Head::Joined(head) => head.forward(&last, self.fused_decode)?,
+        };
+        logits.flatten_all()?.to_dtype(DType::F32)
     }
 
     /// Forgets the cached sequence.
@@ -361,6 +429,18 @@ impl Llama {
     /// Switches the attention backend; the cache stays valid.
     pub fn set_backend(&mut self, backend: AttentionBackend) {
         self.attention.backend = backend;
+    }
+
+    /// Whether decode steps run the fused projection kernels (dense f16/bf16 weights on CUDA).
+    pub fn has_fused_decode(&self) -> bool {
+        self.fused_decode && matches!(self.weights.head, Head::Joined(_))
+    }
+
+    /// Turns the fused projection kernels on or off (on by default), e.g. for A/B runs: off,
+    /// the joined weights go through candle's separate ops. Without joined weights (CPU, f32,
+    /// GGUF) this changes nothing.
+    pub fn set_fused_decode(&mut self, on: bool) {
+        self.fused_decode = on;
     }
 
     pub fn config(&self) -> &LlamaConfig {

@@ -45,6 +45,25 @@ fn random_norm(rng: &mut StdRng) -> Result<Tensor> {
 
 /// Writes config.json, model.safetensors and a word-level tokenizer.json into `dir`.
 pub fn write_tiny_model(dir: &Path) -> Result<()> {
+    write_model(dir, false)
+}
+
+/// The same model with a head that makes greedy decoding decisive: the output row of token
+/// `next(t)` also carries token `t`'s embedding, so each step's top logit leads the rest by
+/// several units, well above the differences bf16 rounding makes between two devices, while
+/// attention and the MLP still move every logit. Greedy tokens then walk `next`'s long cycle.
+#[allow(dead_code)]
+pub fn write_decisive_tiny_model(dir: &Path) -> Result<()> {
+    write_model(dir, true)
+}
+
+/// The token a decisive model favours after `t`: an affine permutation of the vocabulary.
+#[allow(dead_code)]
+pub fn decisive_next(t: usize) -> usize {
+    (97 * t + 5) % VOCAB
+}
+
+fn write_model(dir: &Path, decisive: bool) -> Result<()> {
     let mut rng = StdRng::seed_from_u64(5);
     let mut tensors = HashMap::new();
     let (q_size, kv_size) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
@@ -89,10 +108,20 @@ pub fn write_tiny_model(dir: &Path) -> Result<()> {
         );
     }
     tensors.insert("model.norm.weight".to_string(), random_norm(&mut rng)?);
-    tensors.insert(
-        "lm_head.weight".to_string(),
-        random(&mut rng, (VOCAB, HIDDEN), 4.0 * fan_in(HIDDEN))?,
-    );
+    let mut lm_head = random(&mut rng, (VOCAB, HIDDEN), 4.0 * fan_in(HIDDEN))?;
+    if decisive {
+        let embed = &tensors["model.embed_tokens.weight"];
+        let order: Vec<u32> = (0..VOCAB)
+            .map(|row| {
+                (0..VOCAB)
+                    .find(|&t| decisive_next(t) == row)
+                    .map_or(0, |t| t as u32)
+            })
+            .collect();
+        let order = Tensor::new(order, &Device::Cpu)?;
+        lm_head = (lm_head + (embed.index_select(&order, 0)? * f64::from(3.0 * fan_in(HIDDEN)))?)?;
+    }
+    tensors.insert("lm_head.weight".to_string(), lm_head);
     candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
     std::fs::write(dir.join("config.json"), CONFIG_JSON)?;
 

@@ -13,8 +13,8 @@ use candle_core::{bail, DType, Device, Result};
 use candle_nn::{Embedding, RmsNorm};
 
 use super::{
-    DecoderLayer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout, SelfAttention,
-    Weights,
+    DecoderLayer, Head, Layer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout,
+    SelfAttention, Weights,
 };
 use crate::models::linear::Linear;
 use crate::models::weight_form::{self, WeightChoice, WeightForm};
@@ -114,7 +114,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
                 None => bail!("llama: no weight plan for {:?}", tensor.dtype()),
             }
         };
-        layers.push(DecoderLayer {
+        layers.push(Layer::Separate(Box::new(DecoderLayer {
             input_norm,
             attention: SelfAttention {
                 q_proj: matrix("attn_q")?,
@@ -131,7 +131,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
                 up_proj: matrix("ffn_up")?,
                 down_proj: matrix("ffn_down")?,
             },
-        });
+        })));
     }
     let final_norm = norm(&mut read, "output_norm.weight")?;
     // Llama 3.1 GGUFs carry their long-context scaling as per-frequency divisors.
@@ -144,8 +144,10 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
     let weights = Weights {
         embed_tokens: Embedding::new(embeddings, config.hidden_size),
         layers,
-        norm: final_norm,
-        lm_head,
+        head: Head::Separate {
+            norm: final_norm,
+            lm_head,
+        },
     };
     let bos_token_id = config.bos_token_id;
     let eos_token_ids = config.eos_token_ids.clone();

@@ -119,10 +119,13 @@ impl RotaryEmbedding {
     /// Rotates `x` `(batch, t, heads, head_dim)`; token `i` of sequence `s` is at position
     /// `starts[s] + i`. Returns a contiguous tensor of the same shape.
     pub fn apply(&self, x: &Tensor, starts: &[usize]) -> Result<Tensor> {
-        let (b, t, heads, d) = x.dims4()?;
-        if starts.len() != b {
-            bail!("rope: {} start positions for a batch of {b}", starts.len())
-        }
+        let (_, t, _, _) = x.dims4()?;
+        self.angles(starts, t)?.apply(x)
+    }
+
+    /// The cos/sin rows for `t` new tokens of each sequence, token `i` of sequence `s` at
+    /// position `starts[s] + i`: looked up once per forward pass and shared by every layer.
+    pub fn angles(&self, starts: &[usize], t: usize) -> Result<RopeAngles> {
         let end = starts.iter().map(|s| s + t).max().unwrap_or(0);
         if end > self.max_positions() {
             bail!(
@@ -133,17 +136,62 @@ impl RotaryEmbedding {
         }
         // Each token becomes its own "batch entry" of one position, with its own cos/sin row, so
         // x needs no transpose and sequences may sit at different positions.
-        let positions: Vec<u32> = starts
-            .iter()
-            .flat_map(|&s| (s..s + t).map(|p| p as u32))
-            .collect();
-        let positions = Tensor::from_vec(positions, b * t, x.device())?;
-        let cos = self.cos.index_select(&positions, 0)?.unsqueeze(1)?;
-        let sin = self.sin.index_select(&positions, 0)?.unsqueeze(1)?;
+        let (cos, sin) = match starts {
+            // One sequence: its rows are a contiguous range of the tables, a view.
+            [start] => (
+                self.cos.narrow(0, *start, t)?,
+                self.sin.narrow(0, *start, t)?,
+            ),
+            _ => {
+                let positions: Vec<u32> = starts
+                    .iter()
+                    .flat_map(|&s| (s..s + t).map(|p| p as u32))
+                    .collect();
+                let positions = Tensor::from_vec(positions, starts.len() * t, self.cos.device())?;
+                (
+                    self.cos.index_select(&positions, 0)?,
+                    self.sin.index_select(&positions, 0)?,
+                )
+            }
+        };
+        Ok(RopeAngles {
+            cos: cos.unsqueeze(1)?,
+            sin: sin.unsqueeze(1)?,
+            batch: starts.len(),
+            t,
+            layout: self.layout,
+        })
+    }
+}
+
+/// cos/sin rows for the tokens of one forward pass (see [`RotaryEmbedding::angles`]).
+#[derive(Debug, Clone)]
+pub struct RopeAngles {
+    /// `(batch·t, 1, head_dim/2)`.
+    cos: Tensor,
+    sin: Tensor,
+    batch: usize,
+    t: usize,
+    layout: RopeLayout,
+}
+
+impl RopeAngles {
+    /// Rotates `x` `(batch, t, heads, head_dim)`, with `batch` and `t` those the angles were
+    /// looked up for. Returns a contiguous tensor of the same shape.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, heads, d) = x.dims4()?;
+        if (b, t) != (self.batch, self.t) {
+            bail!(
+                "rope: angles for {} sequences of {} tokens, x has shape {:?}",
+                self.batch,
+                self.t,
+                x.dims()
+            )
+        }
         let x = x.contiguous()?.reshape((b * t, heads, 1, d))?;
         let rotated = match self.layout {
-            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?,
+            RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, &self.cos, &self.sin)?,
         };
         rotated.reshape((b, t, heads, d))
     }

@@ -1,0 +1,252 @@
+// Matrix-vector product for the decode step, y = W·f(x), with the elementwise work around a
+// projection in a transformer layer fused into it:
+// - prologue f: the identity, or RMSNorm(x)·g;
+// - epilogue: the plain product, a residual added before the single rounding to the output type,
+//   or SwiGLU over interleaved [gate, up] row pairs, y_i = silu(W_2i·f(x))·(W_2i+1·f(x)).
+//
+// Each weight row is read exactly once, so the kernel is a stream of 16-byte loads. The unit of
+// work is a pair of rows; pairs are dealt round-robin to every warp of the grid, so no warp has
+// more than one pair more than another. A warp keeps two tiles in flight (double-buffered
+// registers), each of kUnroll 16-byte loads per lane and row. The transformed input is staged
+// once per CTA in shared memory.
+//
+// Programmatic dependent launch (sm_90): a CTA issues its first two tiles of weights, which
+// depend on nothing, before it waits for the previous kernel's output, so this kernel's weight
+// stream overlaps the tail of the kernel before.
+
+#include "common.cuh"
+
+// Must match `MatVecParams` in src/fused_linear/cuda.rs.
+struct MatVecParams {
+    const void* x;            // k elements
+    const void* w;            // (n, k), row-major, rows 16-byte aligned
+    const void* norm_weight;  // k elements (RmsNorm prologue only)
+    const void* residual;     // n elements (Residual epilogue only)
+    void* y;                  // n elements, or n / 2 for SwiGLU
+    int n;
+    int k;
+    int prologue;             // 0: plain, 1: RmsNorm
+    int epilogue;             // 0: plain, 1: residual, 2: SwiGLU
+    float eps;
+};
+
+constexpr int kRmsNorm = 1;
+constexpr int kResidual = 1;
+constexpr int kSwiGlu = 2;
+
+constexpr int kMatVecWarps = 8;
+constexpr int kMatVecThreads = kMatVecWarps * 32;
+
+// A 16-byte load of weights that are read once: no L1 allocation, 256-byte L2 fetches.
+__device__ __forceinline__ uint4 load_stream16(const uint4* p) {
+    uint4 v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+#else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+#endif
+    return v;
+}
+
+__device__ __forceinline__ void widen8(const uint4& raw, const __half*, float (&f)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = __half22float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+__device__ __forceinline__ void widen8(const uint4& raw, const __nv_bfloat16*, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(h[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 narrow8(const float (&f)[8]) {
+    uint4 raw;
+    T* h = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h[i] = from_float<T>(f[i]);
+    return raw;
+}
+
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+    return to_float(from_float<T>(x));
+}
+
+// Writes f(x) into shared memory. RMSNorm rounds its output to T, as the unfused op does, so the
+// product sees the same input as the unfused chain. x and g are loaded together (one round trip
+// to L2); each thread later rewrites only the vectors it wrote, so the normalisation pass needs
+// no barrier of its own.
+template <typename T>
+__device__ void stage_input(const MatVecParams& p, uint4* x_s, uint4* g_s) {
+    const int vecs = p.k / 8;
+    const uint4* x = static_cast<const uint4*>(p.x);
+    if (p.prologue != kRmsNorm) {
+        for (int i = threadIdx.x; i < vecs; i += kMatVecThreads) x_s[i] = x[i];
+        return;
+    }
+    const uint4* g = static_cast<const uint4*>(p.norm_weight);
+    float sum_sq = 0.f;
+    for (int i = threadIdx.x; i < vecs; i += kMatVecThreads) {
+        const uint4 raw = x[i];
+        g_s[i] = g[i];
+        float f[8];
+        widen8(raw, static_cast<T*>(nullptr), f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sum_sq = fmaf(f[j], f[j], sum_sq);
+        x_s[i] = raw;
+    }
+    __shared__ float warp_sums[kMatVecWarps];
+    sum_sq = warp_sum(sum_sq);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum_sq;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMatVecWarps; ++w) total += warp_sums[w];
+    const float inv_rms = rsqrtf(total / static_cast<float>(p.k) + p.eps);
+    for (int i = threadIdx.x; i < vecs; i += kMatVecThreads) {
+        float f[8], gain[8];
+        widen8(x_s[i], static_cast<T*>(nullptr), f);
+        widen8(g_s[i], static_cast<T*>(nullptr), gain);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = f[j] * inv_rms * gain[j];
+        x_s[i] = narrow8<T>(f);
+    }
+}
+
+// One tile: kUnroll 16-byte vectors of each row of a pair, per lane; a warp's tile covers
+// 32 · kUnroll · 8 columns.
+template <int kUnroll>
+struct Tile {
+    uint4 v[2][kUnroll];
+};
+
+// Where step `s` of a warp reads: its (s / tiles_per_row)-th pair, tile s % tiles_per_row.
+struct StepPlace {
+    int pair;
+    int first_vec;  // includes the lane
+    bool last_of_row;
+};
+
+template <typename T, int kUnroll>
+__device__ __forceinline__ void matvec(const MatVecParams& p) {
+    constexpr int kTileVecs = 32 * kUnroll;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int vecs = p.k / 8;
+    uint4* x_s = reinterpret_cast<uint4*>(smem);
+    uint4* g_s = x_s + vecs;
+    const int lane = threadIdx.x % 32;
+    const int warp_id = blockIdx.x * kMatVecWarps + threadIdx.x / 32;
+    const int warps = gridDim.x * kMatVecWarps;
+    const int pairs = (p.n + 1) / 2;
+    const int tiles_per_row = (vecs + kTileVecs - 1) / kTileVecs;
+    const int my_pairs = warp_id < pairs ? (pairs - warp_id + warps - 1) / warps : 0;
+    const int steps = my_pairs * tiles_per_row;
+    const uint4* w = static_cast<const uint4*>(p.w);
+
+    auto place = [&](int s) {
+        const int nth = s / tiles_per_row;
+        const int tile = s - nth * tiles_per_row;
+        return StepPlace{warp_id + nth * warps, tile * kTileVecs + lane,
+                         tile == tiles_per_row - 1};
+    };
+    auto load = [&](int s, Tile<kUnroll>& t) {
+        const StepPlace at = place(s);
+        const int row0 = 2 * at.pair;
+        const uint4* r0 = w + static_cast<long long>(row0) * vecs;
+        const bool has_row1 = row0 + 1 < p.n;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = at.first_vec + u * 32;
+            const bool in_row = v < vecs;
+            t.v[0][u] = in_row ? load_stream16(r0 + v) : make_uint4(0, 0, 0, 0);
+            t.v[1][u] = in_row && has_row1 ? load_stream16(r0 + vecs + v) : make_uint4(0, 0, 0, 0);
+        }
+    };
+
+    // The first two tiles of weights do not depend on the previous kernel: start them now.
+    Tile<kUnroll> a, b;
+    if (steps > 0) load(0, a);
+    if (steps > 1) load(1, b);
+    allow_dependent_launch();
+    wait_for_prerequisite_grid();
+    stage_input<T>(p, x_s, g_s);
+    __syncthreads();
+
+    const T* residual = static_cast<const T*>(p.residual);
+    T* y = static_cast<T*>(p.y);
+    float acc0 = 0.f, acc1 = 0.f;
+    auto consume = [&](int s, const Tile<kUnroll>& t) {
+        const StepPlace at = place(s);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = at.first_vec + u * 32;
+            if (v < vecs) {
+                float xf[8], w0[8], w1[8];
+                widen8(x_s[v], static_cast<T*>(nullptr), xf);
+                widen8(t.v[0][u], static_cast<T*>(nullptr), w0);
+                widen8(t.v[1][u], static_cast<T*>(nullptr), w1);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    acc0 = fmaf(w0[j], xf[j], acc0);
+                    acc1 = fmaf(w1[j], xf[j], acc1);
+                }
+            }
+        }
+        if (!at.last_of_row) return;
+        const float sum0 = warp_sum(acc0);
+        const float sum1 = warp_sum(acc1);
+        acc0 = acc1 = 0.f;
+        if (lane != 0) return;
+        const int row0 = 2 * at.pair;
+        if (p.epilogue == kSwiGlu) {
+            // Rounded where the unfused chain (product, silu, multiply) rounds.
+            const float gate = round_to<T>(sum0);
+            const float up = round_to<T>(sum1);
+            const float silu = round_to<T>(gate / (1.f + __expf(-gate)));
+            y[at.pair] = from_float<T>(silu * up);
+            return;
+        }
+        const bool add = p.epilogue == kResidual;
+        y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
+        if (row0 + 1 < p.n)
+            y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
+    };
+
+    // Two register buffers: while one tile is consumed, the next is in flight.
+    for (int s = 0; s < steps; s += 2) {
+        consume(s, a);
+        if (s + 2 < steps) load(s + 2, a);
+        if (s + 1 < steps) {
+            consume(s + 1, b);
+            if (s + 3 < steps) load(s + 3, b);
+        }
+    }
+}
+
+// Two depths: four 16-byte loads per lane and row per tile at two CTAs per SM, for long streams;
+// two loads at three CTAs (24 warps) per SM, for matrices whose row pairs fit one round of the
+// larger grid (Llama's 6144-row q/k/v), which the deeper variant would run in two.
+#define MATVEC_KERNEL(name, T, unroll, ctas_per_sm)                                          \
+    extern "C" __global__ void __launch_bounds__(kMatVecThreads, ctas_per_sm)                \
+        name(const MatVecParams p) {                                                          \
+        matvec<T, unroll>(p);                                                                \
+    }
+
+MATVEC_KERNEL(matvec_f16_u2, __half, 2, 3)
+MATVEC_KERNEL(matvec_f16_u4, __half, 4, 2)
+MATVEC_KERNEL(matvec_bf16_u2, __nv_bfloat16, 2, 3)
+MATVEC_KERNEL(matvec_bf16_u4, __nv_bfloat16, 4, 2)

@@ -1,0 +1,123 @@
+//! Launch helpers shared by the crate's CUDA ops: device pointers, per-kernel residency (cached),
+//! programmatic dependent launches and NaN poisoning for tests.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::cuda::WrapErr;
+use candle_core::cuda_backend::DeviceId;
+use candle_core::{CudaDevice, Result};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr};
+
+/// The target architecture build.rs compiled the PTX for.
+pub(crate) fn compiled_compute_cap() -> u32 {
+    env!("CANDLE_SPLITKV_COMPUTE_CAP").parse().unwrap_or(0)
+}
+
+/// The device address of element `offset_elems` of `slice`.
+pub(crate) fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems: usize) -> u64 {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = slice.device_ptr(&stream);
+    ptr + (offset_elems * std::mem::size_of::<T>()) as u64
+}
+
+/// CTAs resident on the whole GPU at once, per (device, kernel name).
+static RESIDENT_CTAS: OnceLock<Mutex<HashMap<(DeviceId, String), usize>>> = OnceLock::new();
+
+/// How many CTAs of `func` (named `name`, `threads` per CTA, `smem_bytes` of dynamic shared
+/// memory) fit on the GPU at once. The first call per device and kernel also raises the kernel's
+/// dynamic shared-memory limit; later calls skip those driver calls.
+pub(crate) fn resident_ctas(
+    dev: &CudaDevice,
+    name: &str,
+    func: &CudaFunction,
+    threads: u32,
+    smem_bytes: usize,
+) -> Result<usize> {
+    let key = (dev.id(), name.to_string());
+    let cache = RESIDENT_CTAS.get_or_init(Default::default);
+    if let Some(slots) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
+        return Ok(slots);
+    }
+    func.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem_bytes as i32,
+    )
+    .w()?;
+    let sms = dev
+        .cuda_stream()
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()? as usize;
+    let per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem_bytes, None)
+        .w()?
+        .max(1) as usize;
+    let slots = sms * per_sm;
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, slots);
+    }
+    Ok(slots)
+}
+
+/// Launches `func` with a single by-value parameter block, as a programmatic dependent of the
+/// previous kernel on candle's stream (sm_90): its CTAs may be scheduled while that kernel runs
+/// and must wait in-kernel (`griddepcontrol.wait`) before reading its output. Kernels launched
+/// this way must do so; the attribute only hides the launch gap.
+///
+/// # Safety
+///
+/// `P` must be the exact parameter type of `func`, and the kernel must stay within the buffers
+/// `params` points to.
+pub(crate) unsafe fn launch_programmatic<P>(
+    func: &CudaFunction,
+    dev: &CudaDevice,
+    grid: u32,
+    block: u32,
+    smem_bytes: u32,
+    params: &P,
+) -> Result<()> {
+    // SAFETY: a plain-old-data union; the field set below is the one the attribute id selects.
+    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let stream = dev.cuda_stream();
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: block,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    // SAFETY: `args` points to `params` for the duration of the call; the caller vouches for the
+    // parameter type and the buffers.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            func.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
+    .w()
+}
+
+/// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.
+pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = buf.device_ptr(&stream);
+    let bytes = buf.len() * std::mem::size_of::<T>();
+    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
+}

@@ -1,0 +1,209 @@
+//! Launches `kernels/matvec.cu` for one f16/bf16 row on candle's stream.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::{bf16, f16};
+
+use super::{LinearInput, LinearOutput};
+use crate::cuda_launch::{
+    compiled_compute_cap, device_ptr, launch_programmatic, poison, resident_ctas,
+};
+
+const MATVEC_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/matvec.ptx"));
+
+/// `kMatVecThreads` in kernels/matvec.cu: eight warps, each taking row pairs.
+const THREADS: u32 = 256;
+const WARPS: usize = 8;
+/// The staged input lives in shared memory; past this the kernel would need an opt-in limit
+/// that not every GPU has, and such wide layers are rare, so they take the unfused path.
+const MAX_STAGED_BYTES: usize = 48 * 1024;
+
+/// Must match `MatVecParams` in kernels/matvec.cu.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MatVecParams {
+    x: u64,
+    w: u64,
+    norm_weight: u64,
+    residual: u64,
+    y: u64,
+    n: i32,
+    k: i32,
+    prologue: i32,
+    epilogue: i32,
+    eps: f32,
+}
+
+// SAFETY: plain-old-data with the C layout the kernel expects.
+unsafe impl DeviceRepr for MatVecParams {}
+
+/// When set, outputs are filled with NaN before the kernel runs, so that tests see any row the
+/// kernel fails to write.
+pub(super) static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
+
+/// Fused launches so far, for tests that must know the kernel ran rather than the fallback.
+pub(super) static FUSED_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// Runs the fused kernel when it applies (CUDA, f16/bf16, one row, 16-byte aligned rows, input
+/// small enough to stage); `None` means the caller should run the unfused ops. Shapes were
+/// checked by the caller.
+pub(super) fn try_fused(
+    x: &Tensor,
+    w: &Tensor,
+    input: LinearInput,
+    output: LinearOutput,
+    out_dims: &[usize],
+) -> Result<Option<Tensor>> {
+    let Device::Cuda(dev) = x.device() else {
+        return Ok(None);
+    };
+    let rows: usize = x.dims()[..x.rank() - 1].iter().product();
+    let (n, k) = w.dims2()?;
+    let elem = x.dtype().size_in_bytes();
+    let vec_aligned = |t: &Tensor| t.is_contiguous() && t.layout().start_offset().is_multiple_of(8);
+    let eligible = matches!(x.dtype(), DType::F16 | DType::BF16)
+        && rows == 1
+        && k.is_multiple_of(8)
+        && staged_bytes(input, k, elem) <= MAX_STAGED_BYTES
+        && n <= i32::MAX as usize
+        && vec_aligned(x)
+        && vec_aligned(w)
+        && match output {
+            LinearOutput::AddResidual(r) => r.is_contiguous(),
+            _ => true,
+        }
+        && match input {
+            LinearInput::RmsNorm { weight, .. } => vec_aligned(weight),
+            LinearInput::Plain => true,
+        };
+    if !eligible {
+        return Ok(None);
+    }
+    let y = match x.dtype() {
+        DType::F16 => launch::<f16>(dev, x, w, input, output, n, k)?,
+        DType::BF16 => launch::<bf16>(dev, x, w, input, output, n, k)?,
+        _ => return Ok(None),
+    };
+    let storage = Storage::Cuda(y);
+    Ok(Some(Tensor::from_storage(
+        storage,
+        out_dims,
+        candle_core::op::BackpropOp::none(),
+        false,
+    )))
+}
+
+/// The kernel variant and grid for an `n`-row weight. The deep variant (four loads per lane and
+/// row per tile, two CTAs per SM) streams best; the shallow one (two loads, three CTAs per SM)
+/// has more warps, and wins when its one round of row pairs would take the deep one two.
+fn pick_kernel(dev: &CudaDevice, dtype: DType, n: usize) -> Result<(CudaFunction, u32)> {
+    let load = |depth: &str| -> Result<(CudaFunction, usize)> {
+        let name = format!("matvec_{}_{depth}", dtype_tag(dtype));
+        let func = (*dev.get_or_load_custom_func(&name, "matvec", MATVEC_PTX)?).clone();
+        let ctas = resident_ctas(dev, &name, &func, THREADS, MAX_STAGED_BYTES)?;
+        Ok((func, ctas))
+    };
+    let pairs = n.div_ceil(2);
+    let (deep, deep_ctas) = load("u4")?;
+    let (func, ctas) = if pairs > deep_ctas * WARPS {
+        let (shallow, shallow_ctas) = load("u2")?;
+        if pairs <= shallow_ctas * WARPS {
+            (shallow, shallow_ctas)
+        } else {
+            (deep, deep_ctas)
+        }
+    } else {
+        (deep, deep_ctas)
+    };
+    let grid = pairs.div_ceil(WARPS).min(ctas).max(1);
+    Ok((func, grid as u32))
+}
+
+/// Shared memory for the staged input (and the norm weight beside it).
+fn staged_bytes(input: LinearInput, k: usize, elem: usize) -> usize {
+    match input {
+        LinearInput::Plain => k * elem,
+        LinearInput::RmsNorm { .. } => 2 * k * elem,
+    }
+}
+
+/// The device address of `t`'s first element, keeping its storage borrowed for the launch.
+fn address<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<u64> {
+    let (storage, layout): (_, &Layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        candle_core::bail!("fused linear: every tensor must be on the CUDA device")
+    };
+    Ok(device_ptr(
+        s.as_cuda_slice::<T>()?,
+        dev,
+        layout.start_offset(),
+    ))
+}
+
+fn launch<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    x: &Tensor,
+    w: &Tensor,
+    input: LinearInput,
+    output: LinearOutput,
+    n: usize,
+    k: usize,
+) -> Result<CudaStorage> {
+    let smem_bytes = staged_bytes(input, k, std::mem::size_of::<T>());
+    let (func, grid) = pick_kernel(dev, x.dtype(), n)?;
+    let (epilogue, residual, outputs) = match output {
+        LinearOutput::Plain => (0, 0, n),
+        LinearOutput::AddResidual(r) => (1, address::<T>(r, dev)?, n),
+        LinearOutput::SwiGlu => (2, 0, n / 2),
+    };
+
+    // SAFETY: every output is written by the kernel; tests poison it to check.
+    let y = unsafe { dev.alloc::<T>(outputs)? };
+    if POISON_OUTPUTS.load(Ordering::Relaxed) {
+        poison(dev, &y)?;
+    }
+    let (prologue, norm_weight, eps) = match input {
+        LinearInput::Plain => (0, 0, 0.0),
+        LinearInput::RmsNorm { weight, eps } => (1, address::<T>(weight, dev)?, eps),
+    };
+    let params = MatVecParams {
+        x: address::<T>(x, dev)?,
+        w: address::<T>(w, dev)?,
+        norm_weight,
+        residual,
+        y: device_ptr(&y, dev, 0),
+        n: n as i32,
+        k: k as i32,
+        prologue,
+        epilogue,
+        eps,
+    };
+    if compiled_compute_cap() >= 90 {
+        // SAFETY: `matvec_*` takes one `MatVecParams`; it reads k inputs, n·k weights, k norm
+        // weights and n residuals, and writes the outputs allocated above.
+        unsafe { launch_programmatic(&func, dev, grid, THREADS, smem_bytes as u32, &params)? };
+    } else {
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_bytes as u32,
+        };
+        let stream = dev.cuda_stream();
+        let mut builder = stream.launch_builder(&func);
+        builder.arg(&params);
+        // SAFETY: as above.
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    FUSED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+}
+
+fn dtype_tag(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F16 => "f16",
+        _ => "bf16",
+    }
+}

@@ -1,0 +1,166 @@
+//! A decoder layer with its dense projections joined for [`fused_linear`]: q/k/v in one weight,
+//! gate/up interleaved in another. On CUDA with 16-bit weights a decode step is then four
+//! kernels around RoPE and attention (norm + qkv, o + residual, norm + gate/up + SwiGLU,
+//! down + residual); a prompt runs the same math through candle's ops.
+
+use candle_core::{Result, Tensor};
+
+use super::rope::RopeAngles;
+use crate::attention::CachedAttention;
+use crate::cache::KvCache;
+use crate::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
+
+/// The dense weights of one layer, in the layout the fused kernels read.
+#[derive(Debug, Clone)]
+pub(super) struct JoinedLayer {
+    /// `(q + 2·kv, hidden)`: `[q | k | v]` rows.
+    qkv: Tensor,
+    o: Tensor,
+    /// `(2·ffn, hidden)`: rows `[gate_0, up_0, gate_1, up_1, …]`.
+    gate_up: Tensor,
+    down: Tensor,
+    input_norm: Tensor,
+    post_attention_norm: Tensor,
+    eps: f32,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// The separate `(out, in)` weights of one layer, as checkpoints store them.
+pub(super) struct LayerTensors {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub o: Tensor,
+    pub gate: Tensor,
+    pub up: Tensor,
+    pub down: Tensor,
+    pub input_norm: Tensor,
+    pub post_attention_norm: Tensor,
+}
+
+/// Runs one projection fused (the kernel where it applies) or as candle's separate ops.
+fn project(
+    fused: bool,
+    x: &Tensor,
+    w: &Tensor,
+    input: LinearInput,
+    output: LinearOutput,
+) -> Result<Tensor> {
+    if fused {
+        fused_linear(x, w, input, output)
+    } else {
+        linear_unfused(x, w, input, output)
+    }
+}
+
+impl JoinedLayer {
+    /// Joins a layer's weights (one copy at load; the separate tensors can be dropped after).
+    pub fn new(
+        t: LayerTensors,
+        eps: f32,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let (ffn, hidden) = t.gate.dims2()?;
+        Ok(Self {
+            qkv: Tensor::cat(&[&t.q, &t.k, &t.v], 0)?,
+            o: t.o,
+            gate_up: Tensor::stack(&[&t.gate, &t.up], 1)?.reshape((2 * ffn, hidden))?,
+            down: t.down,
+            input_norm: t.input_norm,
+            post_attention_norm: t.post_attention_norm,
+            eps,
+            q_heads,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// `x (b, t, hidden)` → `(b, t, hidden)`, residual adds included. `fused` false runs every
+    /// projection through candle's ops (for A/B runs); prompts take that path anyway.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        angles: &RopeAngles,
+        attention: &CachedAttention,
+        cache: &mut KvCache,
+        fused: bool,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (q_size, kv_size) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
+        let norm = |weight| LinearInput::RmsNorm {
+            weight,
+            eps: self.eps,
+        };
+        let qkv = project(
+            fused,
+            x,
+            &self.qkv,
+            norm(&self.input_norm),
+            LinearOutput::Plain,
+        )?;
+        // q and k rotate in one RoPE call: they are adjacent in the joined output.
+        let qk = qkv.narrow(2, 0, q_size + kv_size)?.reshape((
+            b,
+            t,
+            self.q_heads + self.kv_heads,
+            self.head_dim,
+        ))?;
+        let qk = angles.apply(&qk)?;
+        // Views for one token; copies for a prompt, whose rows are strided.
+        let q = qk.narrow(2, 0, self.q_heads)?.contiguous()?;
+        let k = qk.narrow(2, self.q_heads, self.kv_heads)?.contiguous()?;
+        let v = qkv.narrow(2, q_size + kv_size, kv_size)?.reshape((
+            b,
+            t,
+            self.kv_heads,
+            self.head_dim,
+        ))?;
+        let y = attention
+            .forward(&q, &k, &v, cache)?
+            .reshape((b, t, q_size))?;
+        let x = project(
+            fused,
+            &y,
+            &self.o,
+            LinearInput::Plain,
+            LinearOutput::AddResidual(x),
+        )?;
+        let h = project(
+            fused,
+            &x,
+            &self.gate_up,
+            norm(&self.post_attention_norm),
+            LinearOutput::SwiGlu,
+        )?;
+        project(
+            fused,
+            &h,
+            &self.down,
+            LinearInput::Plain,
+            LinearOutput::AddResidual(&x),
+        )
+    }
+}
+
+/// The final norm and the output head, dense.
+#[derive(Debug, Clone)]
+pub(super) struct JoinedHead {
+    pub norm: Tensor,
+    pub lm_head: Tensor,
+    pub eps: f32,
+}
+
+impl JoinedHead {
+    /// Logits of one position, `(b, 1, hidden)` → `(b, 1, vocab)`.
+    pub fn forward(&self, x: &Tensor, fused: bool) -> Result<Tensor> {
+        let input = LinearInput::RmsNorm {
+            weight: &self.norm,
+            eps: self.eps,
+        };
+        project(fused, x, &self.lm_head, input, LinearOutput::Plain)
+    }
+}

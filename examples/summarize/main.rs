@@ -143,6 +143,17 @@ fn check_options(args: &Args) -> Result<()> {
 
 /// The requested device; by default the first GPU when the binary has CUDA and one is present.
 fn select_device(requested: Option<DeviceArg>) -> Result<Device> {
+    let device = pick_device(requested)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = &device {
+        // SAFETY: the summarizer runs every op on candle's single stream, so cudarc's per-buffer
+        // events (two per allocation, recorded at every launch) only cost host time.
+        unsafe { cuda.disable_event_tracking() };
+    }
+    Ok(device)
+}
+
+fn pick_device(requested: Option<DeviceArg>) -> Result<Device> {
     match requested {
         Some(DeviceArg::Cpu) => Ok(Device::Cpu),
         Some(DeviceArg::Cuda) if !candle_core::utils::cuda_is_available() => bad_input!(

@@ -152,21 +152,21 @@ fn unfused(x: &Tensor, w: &Tensor, input: LinearInput, output: LinearOutput) -> 
     }
 }
 
-/// Test hook: fill fused-kernel outputs with NaN before each launch, so that a row the kernel
-/// fails to write cannot pass for a result.
+/// Test hook: fill fused-kernel outputs with NaN before each launch from this thread, so that a
+/// row the kernel fails to write cannot pass for a result.
 #[doc(hidden)]
 pub fn poison_fused_outputs(on: bool) {
     #[cfg(feature = "cuda")]
-    cuda::POISON_OUTPUTS.store(on, std::sync::atomic::Ordering::Relaxed);
+    cuda::POISON_OUTPUTS.set(on);
     #[cfg(not(feature = "cuda"))]
     let _ = on;
 }
 
-/// Test hook: how many times the fused kernel has been launched in this process.
+/// Test hook: how many times this thread has launched the fused kernel.
 #[doc(hidden)]
 pub fn fused_launch_count() -> u64 {
     #[cfg(feature = "cuda")]
-    return cuda::FUSED_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed);
+    return cuda::FUSED_LAUNCHES.get();
     #[cfg(not(feature = "cuda"))]
     0
 }

@@ -1,6 +1,6 @@
 //! Launches `kernels/matvec.cu` for one f16/bf16 row on candle's stream.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::cell::Cell;
 
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
@@ -40,12 +40,13 @@ struct MatVecParams {
 // SAFETY: plain-old-data with the C layout the kernel expects.
 unsafe impl DeviceRepr for MatVecParams {}
 
-/// When set, outputs are filled with NaN before the kernel runs, so that tests see any row the
-/// kernel fails to write.
-pub(super) static POISON_OUTPUTS: AtomicBool = AtomicBool::new(false);
-
-/// Fused launches so far, for tests that must know the kernel ran rather than the fallback.
-pub(super) static FUSED_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// When set, outputs are filled with NaN before the kernel runs, so that tests see any row
+    /// the kernel fails to write. Per thread, like the counter, so parallel tests keep apart.
+    pub(super) static POISON_OUTPUTS: Cell<bool> = const { Cell::new(false) };
+    /// Fused launches from this thread, for tests that must know the kernel ran.
+    pub(super) static FUSED_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+}
 
 /// Runs the fused kernel when it applies (CUDA, f16/bf16, one row, 16-byte aligned rows, input
 /// small enough to stage); `None` means the caller should run the unfused ops. Shapes were
@@ -162,7 +163,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     // SAFETY: every output is written by the kernel; tests poison it to check.
     let y = unsafe { dev.alloc::<T>(outputs)? };
-    if POISON_OUTPUTS.load(Ordering::Relaxed) {
+    if POISON_OUTPUTS.get() {
         poison(dev, &y)?;
     }
     let (prologue, norm_weight, eps) = match input {
@@ -197,7 +198,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         // SAFETY: as above.
         unsafe { builder.launch(cfg) }.w()?;
     }
-    FUSED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    FUSED_LAUNCHES.set(FUSED_LAUNCHES.get() + 1);
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }
 

@@ -21,8 +21,21 @@ pub(crate) fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems
     ptr + (offset_elems * std::mem::size_of::<T>()) as u64
 }
 
-/// CTAs resident on the whole GPU at once, per (device, kernel name).
-static RESIDENT_CTAS: OnceLock<Mutex<HashMap<(DeviceId, String), usize>>> = OnceLock::new();
+/// How many CTAs of one kernel the GPU holds at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Residency {
+    pub sms: usize,
+    pub per_sm: usize,
+}
+
+impl Residency {
+    pub fn total(&self) -> usize {
+        self.sms * self.per_sm
+    }
+}
+
+/// Residency per (device, kernel name).
+static RESIDENT_CTAS: OnceLock<Mutex<HashMap<(DeviceId, String), Residency>>> = OnceLock::new();
 
 /// How many CTAs of `func` (named `name`, `threads` per CTA, `smem_bytes` of dynamic shared
 /// memory) fit on the GPU at once. The first call per device and kernel also raises the kernel's
@@ -33,7 +46,7 @@ pub(crate) fn resident_ctas(
     func: &CudaFunction,
     threads: u32,
     smem_bytes: usize,
-) -> Result<usize> {
+) -> Result<Residency> {
     let key = (dev.id(), name.to_string());
     let cache = RESIDENT_CTAS.get_or_init(Default::default);
     if let Some(slots) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
@@ -53,11 +66,11 @@ pub(crate) fn resident_ctas(
         .occupancy_max_active_blocks_per_multiprocessor(threads, smem_bytes, None)
         .w()?
         .max(1) as usize;
-    let slots = sms * per_sm;
+    let residency = Residency { sms, per_sm };
     if let Ok(mut c) = cache.lock() {
-        c.insert(key, slots);
+        c.insert(key, residency);
     }
-    Ok(slots)
+    Ok(residency)
 }
 
 /// Launches `func` with a single by-value parameter block, as a programmatic dependent of the

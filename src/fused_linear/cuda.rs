@@ -104,7 +104,7 @@ fn pick_kernel(dev: &CudaDevice, dtype: DType, n: usize) -> Result<(CudaFunction
     let load = |depth: &str| -> Result<(CudaFunction, usize)> {
         let name = format!("matvec_{}_{depth}", dtype_tag(dtype));
         let func = (*dev.get_or_load_custom_func(&name, "matvec", MATVEC_PTX)?).clone();
-        let ctas = resident_ctas(dev, &name, &func, THREADS, MAX_STAGED_BYTES)?;
+        let ctas = resident_ctas(dev, &name, &func, THREADS, MAX_STAGED_BYTES)?.total();
         Ok((func, ctas))
     };
     let pairs = n.div_ceil(2);

@@ -3,8 +3,8 @@
 //! Decode attention has one query row per head, so the only parallelism is over
 //! `(batch, kv head)` pairs. When there are fewer pairs than the hardware can run at once, the KV
 //! sequence is cut into contiguous chunks ("splits") that run in parallel and are merged afterwards
-//! through their log-sum-exps. The same plan drives the CPU (workers = threads) and CUDA
-//! (workers = resident CTAs over all SMs) paths.
+//! through their log-sum-exps. The same plan drives the CPU (workers = threads) and CUDA paths
+//! (workers = one CTA per SM for the tensor-core kernels, every resident CTA for the others).
 
 /// Chunks never get shorter than this: below it the per-split fixed cost (setup, partial write,
 /// merge) outweighs the parallelism gained.

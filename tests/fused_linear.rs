@@ -2,9 +2,12 @@
 //! and the fused kernel on CUDA (skipped with a notice where no device exists), with outputs
 //! poisoned with NaN first.
 
+mod common;
+
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_splitkv::fused_linear::{fused_launch_count, poison_fused_outputs};
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
+use common::gpu;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Prologue {
@@ -187,16 +190,6 @@ fn rejects_bad_shapes() -> Result<()> {
     let w3 = w.unsqueeze(0)?;
     assert!(message(fused_linear(&x, &w3, LinearInput::Plain, plain)).contains("(out, in)"));
     Ok(())
-}
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(dev) => Some(dev),
-        Err(e) => {
-            println!("skipping GPU test: no CUDA device ({e})");
-            None
-        }
-    }
 }
 
 /// Every prologue and epilogue on each `(n, k)`, fused where the staged input fits.

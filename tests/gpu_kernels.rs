@@ -7,21 +7,11 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_splitkv::{CudaKernel, SplitKvAttention};
-use common::{assert_close, assert_lse_close, host_f64, reference, Case};
+use common::{assert_close, assert_lse_close, gpu, host_f64, reference, Case};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-fn gpu() -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(dev) => Some(dev),
-        Err(e) => {
-            println!("skipping GPU test: no CUDA device ({e})");
-            None
-        }
-    }
-}
 
 fn poisoned(scale: f32) -> SplitKvAttention {
     let mut op = SplitKvAttention::new(scale);

@@ -16,6 +16,7 @@ mod common;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
+use common::gpu;
 use common::tiny_llama::{write_decisive_tiny_model, write_tiny_model, VOCAB};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -29,13 +30,7 @@ fn greedy(logits: &Tensor) -> Result<(u32, f32)> {
 
 #[test]
 fn gpu_and_cpu_greedy_tokens_agree() -> Result<()> {
-    let gpu = match Device::new_cuda(0) {
-        Ok(dev) => dev,
-        Err(e) => {
-            println!("skipping GPU test: no CUDA device ({e})");
-            return Ok(());
-        }
-    };
+    let Some(gpu) = gpu() else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     write_decisive_tiny_model(dir.path())?;
     let dtype = |dtype| LoadOptions {
@@ -97,13 +92,7 @@ fn gpu_and_cpu_greedy_tokens_agree() -> Result<()> {
 /// logits as candle's unfused ops on the same GPU weights do.
 #[test]
 fn gpu_fused_decode_is_as_close_to_cpu_as_unfused() -> Result<()> {
-    let gpu = match Device::new_cuda(0) {
-        Ok(dev) => dev,
-        Err(e) => {
-            println!("skipping GPU test: no CUDA device ({e})");
-            return Ok(());
-        }
-    };
+    let Some(gpu) = gpu() else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     write_tiny_model(dir.path())?;
     let options = LoadOptions {

@@ -6,6 +6,17 @@ pub mod tiny_llama;
 use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
+/// The first CUDA device, or `None` with a notice, so that GPU tests skip where there is none.
+pub fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(dev) => Some(dev),
+        Err(e) => {
+            println!("skipping GPU test: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
 /// One decode problem's sizes.
 #[derive(Debug, Clone, Copy)]
 pub struct Case {

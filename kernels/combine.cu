@@ -1,50 +1,101 @@
 // The combine pass of split-KV decode attention: merges each (batch, query head)'s partial outputs
 // through their base-2 log-sum-exps. One CTA per row; splits with lse = -inf weigh nothing, and a
 // row with no positions at all gets zeros and lse = -inf.
+//
+// The pass is a chain of L2 round trips once the partial grid completes, so it is laid out to make
+// as few as possible: the CTA's threads tile (split lane × 4-column group), each thread loads the
+// partial rows and LSEs of up to kBatch splits at once, folds them with its own running max, and
+// the split lanes merge once through shared memory. Up to kBatch · (128 / (D / 4)) splits (32 at
+// D = 128) cost one round trip.
 
 #include "common.cuh"
 
-constexpr int kMaxSplits = 256;  // src/plan.rs MAX_SPLITS
+constexpr int kCombineThreads = 128;  // src/cuda.rs COMBINE_THREADS
+constexpr int kBatch = 8;             // splits in flight per thread
+
+// A running (max, sum, weighted row slice) of base-2 LSE-weighted partial outputs.
+struct Folded {
+    float max = -INFINITY;
+    float sum = 0.f;
+    float4 acc = {0.f, 0.f, 0.f, 0.f};
+
+    __device__ __forceinline__ void add(float lse, float4 x) {
+        const float new_max = fmaxf(max, lse);
+        if (new_max == -INFINITY) return;  // nothing with weight yet
+        const float rescale = fast_exp2(max - new_max);  // 0 when max was -inf
+        const float w = fast_exp2(lse - new_max);        // 0 when lse is -inf
+        sum = fmaf(sum, rescale, w);
+        acc.x = fmaf(acc.x, rescale, w * x.x);
+        acc.y = fmaf(acc.y, rescale, w * x.y);
+        acc.z = fmaf(acc.z, rescale, w * x.z);
+        acc.w = fmaf(acc.w, rescale, w * x.w);
+        max = new_max;
+    }
+};
 
 template <typename T>
 __device__ __forceinline__ void combine(const CombineParams& p) {
-    __shared__ float weight_s[kMaxSplits];
-    __shared__ float inv_total_s;
-    __shared__ float lse_s;
+    __shared__ float4 acc_s[kCombineThreads];
+    __shared__ float max_s[kCombineThreads], sum_s[kCombineThreads];
     // Let the next kernel (e.g. the output projection) start streaming its weights early.
     allow_dependent_launch();
     wait_for_prerequisite_grid();
     const int row = blockIdx.x;
-    const int splits = p.num_splits;
+    const int splits = p.num_splits, d = p.head_dim;
+    const int groups = d / 4;                     // 4-column groups per row
+    const int lanes = kCombineThreads / groups;   // split lanes
+    if (d % 4 != 0 || lanes == 0) __trap();       // head dims are multiples of 16, at most 256
+    const int group = threadIdx.x % groups, lane = threadIdx.x / groups;
     const float* lse = p.partial_lse + (long long)row * splits;
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        float m = -INFINITY;
-        for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse[s]);
-        m = warp_max(m);
-        float total = 0.f;
-        for (int s = lane; s < splits; s += 32) {
-            const float w = m == -INFINITY ? 0.f : fast_exp2(lse[s] - m);
-            weight_s[s] = w;
-            total += w;
-        }
-        total = warp_sum(total);
-        if (lane == 0) {
-            inv_total_s = total > 0.f ? 1.f / total : 0.f;
-            lse_s = total > 0.f ? (m + __log2f(total)) * kLn2 : -INFINITY;
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (long long)row * splits * d);
+
+    Folded f;
+    if (lane < lanes) {
+        for (int first = lane; first < splits; first += kBatch * lanes) {
+            float l[kBatch];
+            float4 x[kBatch];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+                const int s = first + i * lanes;
+                l[i] = s < splits ? lse[s] : -INFINITY;
+                x[i] = s < splits ? partial[(long long)s * groups + group] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) f.add(l[i], x[i]);
         }
     }
+    acc_s[threadIdx.x] = f.acc;
+    max_s[threadIdx.x] = f.max;
+    sum_s[threadIdx.x] = f.sum;
     __syncthreads();
-    const float* partial = p.partial_out + (long long)row * splits * p.head_dim;
-    T* out = static_cast<T*>(p.out) + (long long)row * p.head_dim;
-    for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) {
-        float acc = 0.f;
-        for (int s = 0; s < splits; ++s) acc = fmaf(weight_s[s], partial[(long long)s * p.head_dim + c], acc);
-        out[c] = from_float<T>(acc * inv_total_s);
+
+    // Every split lane saw the same splits for each column group, so lane j's max and sum can be
+    // read from any of its threads (column group 0).
+    float m = -INFINITY;
+    for (int j = 0; j < lanes; ++j) m = fmaxf(m, max_s[j * groups]);
+    float total = 0.f;
+    if (m != -INFINITY)
+        for (int j = 0; j < lanes; ++j) total += sum_s[j * groups] * fast_exp2(max_s[j * groups] - m);
+    const float inv_total = total > 0.f ? 1.f / total : 0.f;
+    T* out = static_cast<T*>(p.out) + (long long)row * d;
+    const float* acc = reinterpret_cast<const float*>(acc_s);
+    for (int c = threadIdx.x; c < d; c += kCombineThreads) {
+        float value = 0.f;
+        if (m != -INFINITY)
+            for (int j = 0; j < lanes; ++j)
+                value = fmaf(acc[(j * groups + c / 4) * 4 + c % 4], fast_exp2(max_s[j * groups] - m), value);
+        out[c] = from_float<T>(value * inv_total);
     }
-    if (threadIdx.x == 0 && p.lse_out != nullptr) p.lse_out[row] = lse_s;
+    if (threadIdx.x == 0 && p.lse_out != nullptr)
+        p.lse_out[row] = total > 0.f ? (m + __log2f(total)) * kLn2 : -INFINITY;
 }
 
-extern "C" __global__ void split_kv_combine_f16(const CombineParams p) { combine<__half>(p); }
-extern "C" __global__ void split_kv_combine_bf16(const CombineParams p) { combine<__nv_bfloat16>(p); }
-extern "C" __global__ void split_kv_combine_f32(const CombineParams p) { combine<float>(p); }
+extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_f16(const CombineParams p) {
+    combine<__half>(p);
+}
+extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_bf16(const CombineParams p) {
+    combine<__nv_bfloat16>(p);
+}
+extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_f32(const CombineParams p) {
+    combine<float>(p);
+}

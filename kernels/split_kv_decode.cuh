@@ -57,6 +57,8 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     const bool active = chunk < CHUNKS;
     const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const int group = p.q_heads / p.kv_heads;
+    // Nothing global is touched before this point (programmatic launch, see the MMA kernel).
+    wait_for_prerequisite_grid();
 
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);

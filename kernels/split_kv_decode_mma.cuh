@@ -130,6 +130,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     const int quad_col = lane & 3;   // fragment column pair
     const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const int group = p.q_heads / p.kv_heads;
+    // Up to here nothing has touched global memory, so the CTA may run ahead of the previous
+    // kernel (programmatic launch); from here on it reads what that kernel wrote.
+    wait_for_prerequisite_grid();
 
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);

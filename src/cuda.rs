@@ -2,13 +2,13 @@
 //! and combine kernels on candle's stream, with no host synchronisation.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::cuda::CudaDType;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use crate::cuda_launch::{
-    compiled_compute_cap, device_ptr, launch_programmatic, poison, resident_ctas,
+    compiled_compute_cap, device_ptr, launch_dependent, poison, resident_ctas,
 };
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
@@ -226,8 +226,7 @@ struct DecodeKernel {
 }
 
 impl DecodeKernel {
-    fn load(dev: &CudaDevice, choice: CudaKernel, dtype: DType, dims: &DecodeDims) -> Result<Self> {
-        let family = resolve_family(choice, dtype)?;
+    fn load(dev: &CudaDevice, family: CudaKernel, dtype: DType, dims: &DecodeDims) -> Result<Self> {
         let (module, ptx) = decode_module(family, dtype)?;
         let gmax = group_bucket(dims.group_size())?;
         let (gmax, smem_bytes) = match family {
@@ -258,6 +257,19 @@ impl DecodeKernel {
     }
 }
 
+/// The partial kernel and split plan for these inputs.
+fn prepare(
+    op: &SplitKvAttention,
+    dev: &CudaDevice,
+    dtype: DType,
+    dims: &DecodeDims,
+) -> Result<(DecodeKernel, crate::plan::SplitPlan)> {
+    let family = resolve_family(op.cuda_kernel, dtype)?;
+    let kernel = DecodeKernel::load(dev, family, dtype, dims)?;
+    let plan = op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
+    Ok((kernel, plan))
+}
+
 /// The split plan the CUDA path would use for these inputs.
 pub fn split_plan(
     op: &SplitKvAttention,
@@ -265,8 +277,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    let kernel = DecodeKernel::load(dev, op.cuda_kernel, dtype, dims)?;
-    Ok(op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len)))
+    Ok(prepare(op, dev, dtype, dims)?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -317,9 +328,8 @@ fn launch<T: CudaDType + DeviceRepr>(
         )
     }
 
-    let kernel = DecodeKernel::load(&dev, op.cuda_kernel, q.dtype(), &dims)?;
+    let (kernel, plan) = prepare(op, &dev, q.dtype(), &dims)?;
     let (decode, smem) = (&kernel.func, kernel.smem_bytes);
-    let plan = op.plan(&dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
     let rows = dims.batch * dims.q_heads;
@@ -405,12 +415,10 @@ fn launch<T: CudaDType + DeviceRepr>(
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(decode);
-    builder.arg(&params);
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
-    // `batch` entries, and writes only the buffers allocated above, sized for this launch.
-    unsafe { builder.launch(cfg) }.w()?;
+    // `batch` entries, and writes only the buffers allocated above, sized for this launch; it
+    // touches global memory only after its launch dependency resolves.
+    unsafe { launch_dependent(decode, &dev, cfg, &params)? };
 
     if plan.num_splits > 1 {
         let combine = dev.get_or_load_custom_func(
@@ -428,23 +436,14 @@ fn launch<T: CudaDType + DeviceRepr>(
             head_dim: dims.head_dim as i32,
             reserved: 0,
         };
-        if compiled_compute_cap() >= 90 {
-            // SAFETY: `split_kv_combine_*` takes one `CombineParams`; it reads the partial
-            // buffers written above and writes `rows` outputs.
-            unsafe {
-                launch_programmatic(&combine, &dev, rows as u32, COMBINE_THREADS, 0, &params)?
-            };
-        } else {
-            let cfg = LaunchConfig {
-                grid_dim: (rows as u32, 1, 1),
-                block_dim: (COMBINE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut builder = combine.builder();
-            builder.arg(&params);
-            // SAFETY: reads the partial buffers written above and writes `rows` outputs.
-            unsafe { builder.launch(cfg) }.w()?;
-        }
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (COMBINE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `split_kv_combine_*` takes one `CombineParams`; it reads the partial buffers
+        // written above and writes `rows` outputs.
+        unsafe { launch_dependent(&combine, &dev, cfg, &params)? };
     }
     drop(scratch);
 

@@ -1,5 +1,5 @@
 //! Launch helpers shared by the crate's CUDA ops: device pointers, per-kernel residency (cached),
-//! programmatic dependent launches and NaN poisoning for tests.
+//! launches that overlap the previous kernel and NaN poisoning for tests.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -7,7 +7,9 @@ use std::sync::{Mutex, OnceLock};
 use candle_core::cuda::WrapErr;
 use candle_core::cuda_backend::DeviceId;
 use candle_core::{CudaDevice, Result};
-use cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr};
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 /// The target architecture build.rs compiled the PTX for.
 pub(crate) fn compiled_compute_cap() -> u32 {
@@ -73,23 +75,29 @@ pub(crate) fn resident_ctas(
     Ok(residency)
 }
 
-/// Launches `func` with a single by-value parameter block, as a programmatic dependent of the
-/// previous kernel on candle's stream (sm_90): its CTAs may be scheduled while that kernel runs
-/// and must wait in-kernel (`griddepcontrol.wait`) before reading its output. Kernels launched
-/// this way must do so; the attribute only hides the launch gap.
+/// Launches `func` with a single by-value parameter block on candle's stream. On sm_90 builds it
+/// is a programmatic dependent of the previous kernel: its CTAs may be scheduled while that kernel
+/// runs, so the kernel must wait in-kernel (`griddepcontrol.wait`) before it reads or writes any
+/// global memory another kernel may touch; the attribute only hides the launch gap. Earlier
+/// architectures get a plain launch, where the wait is a no-op.
 ///
 /// # Safety
 ///
 /// `P` must be the exact parameter type of `func`, and the kernel must stay within the buffers
 /// `params` points to.
-pub(crate) unsafe fn launch_programmatic<P>(
+pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     func: &CudaFunction,
     dev: &CudaDevice,
-    grid: u32,
-    block: u32,
-    smem_bytes: u32,
+    cfg: LaunchConfig,
     params: &P,
 ) -> Result<()> {
+    let stream = dev.cuda_stream();
+    if compiled_compute_cap() < 90 {
+        let mut builder = stream.launch_builder(func);
+        builder.arg(params);
+        // SAFETY: the caller vouches for the parameter type and the buffers.
+        return unsafe { builder.launch(cfg) }.map(|_| ()).w();
+    }
     // SAFETY: a plain-old-data union; the field set below is the one the attribute id selects.
     let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
     value.programmaticStreamSerializationAllowed = 1;
@@ -98,15 +106,14 @@ pub(crate) unsafe fn launch_programmatic<P>(
         pad: [0; 4],
         value,
     };
-    let stream = dev.cuda_stream();
     let config = sys::CUlaunchConfig {
-        gridDimX: grid,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: block,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: smem_bytes,
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
         hStream: stream.cu_stream(),
         attrs: &mut attribute,
         numAttrs: 1,

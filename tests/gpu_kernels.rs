@@ -168,6 +168,39 @@ fn gpu_forced_splits_agree() -> Result<()> {
     Ok(())
 }
 
+/// The combine pass lays its threads out by head dim (split lanes × 4-column groups) and takes the
+/// splits in batches, so split counts on both sides of a batch boundary run for every head dim.
+#[test]
+fn gpu_combine_every_head_dim() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut count = 0;
+    for d in HEAD_DIMS {
+        for dtype in [DType::BF16, DType::F32] {
+            let case = Case {
+                b: 2,
+                h_q: 8,
+                h_kv: 2,
+                d,
+                l: 6000,
+                dtype,
+            };
+            let (q, k, v) = common::random_qkv(&case, &dev)?;
+            let want = reference(&q, &k, &v, case.scale(), None)?;
+            for n in [2, 9, 16, 17, 33, 65, 129] {
+                let what = format!("d {d} {n} splits {dtype:?}");
+                let (out, lse) = poisoned(case.scale())
+                    .with_num_splits(Some(n))
+                    .forward_with_lse(&q, &k, &v)?;
+                assert_close(&what, &out, &want.out, dtype)?;
+                assert_lse_close(&what, &lse, &want.lse, dtype)?;
+                count += 1;
+            }
+        }
+    }
+    println!("gpu_combine_every_head_dim: {count} cases passed");
+    Ok(())
+}
+
 #[test]
 fn gpu_large_logits() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

@@ -2,15 +2,13 @@
 
 use std::cell::Cell;
 
-use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::cuda::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use super::{LinearInput, LinearOutput};
-use crate::cuda_launch::{
-    compiled_compute_cap, device_ptr, launch_programmatic, poison, resident_ctas,
-};
+use crate::cuda_launch::{device_ptr, launch_dependent, poison, resident_ctas};
 
 const MATVEC_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/matvec.ptx"));
 
@@ -182,22 +180,14 @@ fn launch<T: CudaDType + DeviceRepr>(
         epilogue,
         eps,
     };
-    if compiled_compute_cap() >= 90 {
-        // SAFETY: `matvec_*` takes one `MatVecParams`; it reads k inputs, n·k weights, k norm
-        // weights and n residuals, and writes the outputs allocated above.
-        unsafe { launch_programmatic(&func, dev, grid, THREADS, smem_bytes as u32, &params)? };
-    } else {
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem_bytes as u32,
-        };
-        let stream = dev.cuda_stream();
-        let mut builder = stream.launch_builder(&func);
-        builder.arg(&params);
-        // SAFETY: as above.
-        unsafe { builder.launch(cfg) }.w()?;
-    }
+    let cfg = LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem_bytes as u32,
+    };
+    // SAFETY: `matvec_*` takes one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
+    // and n residuals, and writes the outputs allocated above.
+    unsafe { launch_dependent(&func, dev, cfg, &params)? };
     FUSED_LAUNCHES.set(FUSED_LAUNCHES.get() + 1);
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }

@@ -11,10 +11,11 @@ struct DecodeParams {
     const void* q;
     const void* k;
     const void* v;
-    void* out;              // (b, h_q, d) in the input dtype; written when num_splits == 1
+    void* out;              // (b, h_q, d) in the input dtype; written by the partial pass when
+                            // num_splits == 1 or merge_in_cluster, else by the combine pass
     float* lse_out;         // (b, h_q) natural log, or null when not wanted
-    float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs
-    float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps
+    float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs (combine pass)
+    float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps (combine pass)
     const uint32_t* seqlens;  // (b,) or null
     long long q_batch_stride, q_head_stride;
     long long k_batch_stride, k_seq_stride, k_head_stride;
@@ -22,7 +23,7 @@ struct DecodeParams {
     int batch, q_heads, kv_heads, kv_len;
     int num_splits, chunk_size;
     float scale_log2;       // softmax_scale * log2(e)
-    int reserved;
+    int merge_in_cluster;   // 1: the splits of each (b, kv head) are one cluster and merge there
 };
 
 // Must match `CombineParams` in src/cuda.rs.

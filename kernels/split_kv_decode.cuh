@@ -243,7 +243,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     }
     __syncthreads();
 
-    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b);
+    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b, nullptr);
 }
 
 #define DECODE_KERNEL(NAME, T, D, GMAX)                                                      \

@@ -15,6 +15,7 @@
 // the four lanes of a quad once per tile (max) or once per chunk (sum).
 #pragma once
 
+#include "cluster_merge.cuh"
 #include "common.cuh"
 #include "warp_merge.cuh"
 
@@ -33,7 +34,8 @@ template <int D, int GMAX> struct MmaTiling {
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
+    // The warps' states, then (cluster merge) the CTA's result, both after the ring is drained.
+    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>() + cluster_result_bytes<D, GMAX>();
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
 };
 
@@ -309,7 +311,11 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         }
     }
     __syncthreads();
-    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b);
+    float* result = p.merge_in_cluster
+        ? reinterpret_cast<float*>(smem + merge_smem_bytes<D, GMAX>())
+        : nullptr;
+    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b, result);
+    if (p.merge_in_cluster) merge_across_cluster<T, D, GMAX>(p, result, group, kv_head, b);
 }
 
 // GMAX 8 covers groups 1..8 with the upper fragment rows unused; GMAX 16 covers 9..16.

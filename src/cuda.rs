@@ -8,7 +8,8 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use crate::cuda_launch::{
-    compiled_compute_cap, device_ptr, launch_dependent, poison, resident_ctas,
+    compiled_compute_cap, device_ptr, launch_dependent, one_cta_per_sm_smem, poison,
+    resident_clusters, resident_ctas,
 };
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
@@ -38,6 +39,10 @@ fn gpu_min_chunk(kv_len: usize) -> usize {
 const DECODE_THREADS: u32 = 128;
 const COMBINE_THREADS: u32 = 128;
 
+/// Most splits merged inside one thread-block cluster (`kMaxCluster` in
+/// kernels/cluster_merge.cuh); more go through the combine kernel.
+const MAX_CLUSTER: usize = 16;
+
 /// Launch parameters of the partial kernel; must match `DecodeParams` in kernels/common.cuh.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -65,7 +70,7 @@ struct DecodeParams {
     num_splits: i32,
     chunk_size: i32,
     scale_log2: f32,
-    reserved: i32,
+    merge_in_cluster: i32,
 }
 
 // SAFETY: plain-old-data with the C layout the kernels expect.
@@ -134,12 +139,18 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize) -> usize {
     };
     let stage_bytes = 2 * ROWS * row_bytes;
     let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
-    (WARPS * stages * stage_bytes).max(merge_smem_bytes(head_dim, gmax))
+    let merge = merge_smem_bytes(head_dim, gmax) + cluster_result_bytes(head_dim, gmax);
+    (WARPS * stages * stage_bytes).max(merge)
 }
 
 /// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum.
 fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
     WARPS * gmax * (head_dim + 2) * 4
+}
+
+/// `cluster_result_bytes` in kernels/warp_merge.cuh: per head, the output row and the LSE.
+fn cluster_result_bytes(head_dim: usize, gmax: usize) -> usize {
+    gmax * (head_dim + 1) * 4
 }
 
 /// Warps per CTA of both partial kernels (`kWarps` in kernels/common.cuh).
@@ -219,6 +230,8 @@ fn check_alignment(
 
 /// The partial kernel for one (family, dtype, head dim, group bucket), ready to launch.
 struct DecodeKernel {
+    family: CudaKernel,
+    name: String,
     func: CudaFunction,
     smem_bytes: usize,
     /// CTAs the split plan aims for.
@@ -250,6 +263,8 @@ impl DecodeKernel {
             _ => residency.total(),
         };
         Ok(Self {
+            family,
+            name,
             func,
             smem_bytes,
             parallel_slots,
@@ -268,6 +283,33 @@ fn prepare(
     let kernel = DecodeKernel::load(dev, family, dtype, dims)?;
     let plan = op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
     Ok((kernel, plan))
+}
+
+/// The launch that merges the splits inside the partial pass, clusters of all the splits of one
+/// (batch, kv head), or `None` for the combine kernel. Only for the tensor-core kernels on sm_90,
+/// 2 to 16 splits, and where every cluster is resident at once with one CTA per SM: left to
+/// itself the scheduler packs a cluster two CTAs to an SM, and half the SMs then stream a long
+/// context (b = 1, 32/8, 128K: 129 → 150 µs).
+fn merge_cluster(
+    dev: &CudaDevice,
+    kernel: &DecodeKernel,
+    units: usize,
+    splits: usize,
+    cfg: &LaunchConfig,
+) -> Result<Option<(u32, LaunchConfig)>> {
+    if kernel.family != CudaKernel::TensorCore || !(2..=MAX_CLUSTER).contains(&splits) {
+        return Ok(None);
+    }
+    let Some(smem) = one_cta_per_sm_smem(dev)? else {
+        return Ok(None);
+    };
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem.max(kernel.smem_bytes) as u32,
+        ..*cfg
+    };
+    let size = splits as u32;
+    let resident = resident_clusters(dev, &kernel.name, &kernel.func, &cfg, size)?;
+    Ok((resident >= units).then_some((size, cfg)))
 }
 
 /// The split plan the CUDA path would use for these inputs.
@@ -332,19 +374,36 @@ fn launch<T: CudaDType + DeviceRepr>(
     let (decode, smem) = (&kernel.func, kernel.smem_bytes);
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
+    let cfg = LaunchConfig {
+        grid_dim: (
+            plan.num_splits as u32,
+            dims.kv_heads as u32,
+            dims.batch as u32,
+        ),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let units = dims.batch * dims.kv_heads;
+    let (cluster, cfg) = match merge_cluster(&dev, &kernel, units, plan.num_splits, &cfg)? {
+        Some((size, cluster_cfg)) => (Some(size), cluster_cfg),
+        None => (None, cfg),
+    };
+    let combine_pass = plan.num_splits > 1 && cluster.is_none();
+
     let rows = dims.batch * dims.q_heads;
     // Every allocation is a node in a captured graph, so allocate only what this call needs: the
     // LSE when the caller asked for it, and one scratch buffer (partial outputs, then their LSEs)
-    // when there is more than one split.
-    // SAFETY (all three): every element is written by the partial kernel (one split) or the
-    // combine kernel (several) before anything reads it; the tests poison them to prove it.
+    // when a combine pass merges the splits.
+    // SAFETY (all three): every element is written by the partial kernel (one split, or a
+    // cluster merge) or the combine kernel before anything reads it; the tests poison them to
+    // prove it.
     let out = unsafe { dev.alloc::<T>(rows * dims.head_dim)? };
     let lse = if op.wants_lse() {
         Some(unsafe { dev.alloc::<f32>(rows)? })
     } else {
         None
     };
-    let scratch = if plan.num_splits > 1 {
+    let scratch = if combine_pass {
         Some(unsafe { dev.alloc::<f32>(rows * plan.num_splits * (dims.head_dim + 1))? })
     } else {
         None
@@ -404,23 +463,14 @@ fn launch<T: CudaDType + DeviceRepr>(
         num_splits: plan.num_splits as i32,
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
         scale_log2: op.softmax_scale * std::f32::consts::LOG2_E,
-        reserved: 0,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            plan.num_splits as u32,
-            dims.kv_heads as u32,
-            dims.batch as u32,
-        ),
-        block_dim: (DECODE_THREADS, 1, 1),
-        shared_mem_bytes: smem as u32,
+        merge_in_cluster: cluster.is_some() as i32,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch; it
     // touches global memory only after its launch dependency resolves.
-    unsafe { launch_dependent(decode, &dev, cfg, &params)? };
+    unsafe { launch_dependent(decode, &dev, cfg, cluster, &params)? };
 
-    if plan.num_splits > 1 {
+    if combine_pass {
         let combine = dev.get_or_load_custom_func(
             &format!("split_kv_combine_{}", dtype_tag(q.dtype())?),
             "split_kv_combine",
@@ -443,7 +493,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         };
         // SAFETY: `split_kv_combine_*` takes one `CombineParams`; it reads the partial buffers
         // written above and writes `rows` outputs.
-        unsafe { launch_dependent(&combine, &dev, cfg, &params)? };
+        unsafe { launch_dependent(&combine, &dev, cfg, None, &params)? };
     }
     drop(scratch);
 

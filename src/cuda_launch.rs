@@ -75,11 +75,61 @@ pub(crate) fn resident_ctas(
     Ok(residency)
 }
 
+/// Launch attributes beyond the grid: a programmatic dependency on the previous kernel, and
+/// optionally clusters along x.
+struct Attributes {
+    list: [sys::CUlaunchAttribute; 2],
+    len: u32,
+}
+
+impl Attributes {
+    fn new(cluster_x: Option<u32>) -> Self {
+        // SAFETY: plain-old-data unions; each field set below is the one its attribute id selects.
+        let mut dependent: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        dependent.programmaticStreamSerializationAllowed = 1;
+        let mut cluster: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        cluster.clusterDim.x = cluster_x.unwrap_or(1);
+        cluster.clusterDim.y = 1;
+        cluster.clusterDim.z = 1;
+        Self {
+            list: [
+                sys::CUlaunchAttribute {
+                    id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                    pad: [0; 4],
+                    value: dependent,
+                },
+                sys::CUlaunchAttribute {
+                    id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+                    pad: [0; 4],
+                    value: cluster,
+                },
+            ],
+            len: if cluster_x.is_some() { 2 } else { 1 },
+        }
+    }
+
+    fn config(&mut self, cfg: &LaunchConfig, stream: sys::CUstream) -> sys::CUlaunchConfig {
+        sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream,
+            attrs: self.list.as_mut_ptr(),
+            numAttrs: self.len,
+        }
+    }
+}
+
 /// Launches `func` with a single by-value parameter block on candle's stream. On sm_90 builds it
 /// is a programmatic dependent of the previous kernel: its CTAs may be scheduled while that kernel
 /// runs, so the kernel must wait in-kernel (`griddepcontrol.wait`) before it reads or writes any
 /// global memory another kernel may touch; the attribute only hides the launch gap. Earlier
-/// architectures get a plain launch, where the wait is a no-op.
+/// architectures get a plain launch, where the wait is a no-op. `cluster_x` groups that many
+/// consecutive CTAs along x into a cluster (sm_90 only; see [`cluster_fits`]).
 ///
 /// # Safety
 ///
@@ -89,38 +139,24 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     func: &CudaFunction,
     dev: &CudaDevice,
     cfg: LaunchConfig,
+    cluster_x: Option<u32>,
     params: &P,
 ) -> Result<()> {
     let stream = dev.cuda_stream();
     if compiled_compute_cap() < 90 {
+        if cluster_x.is_some() {
+            candle_core::bail!("split-kv: thread-block clusters need a build for sm_90 or later")
+        }
         let mut builder = stream.launch_builder(func);
         builder.arg(params);
         // SAFETY: the caller vouches for the parameter type and the buffers.
         return unsafe { builder.launch(cfg) }.map(|_| ()).w();
     }
-    // SAFETY: a plain-old-data union; the field set below is the one the attribute id selects.
-    let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-    value.programmaticStreamSerializationAllowed = 1;
-    let mut attribute = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-        pad: [0; 4],
-        value,
-    };
-    let config = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: stream.cu_stream(),
-        attrs: &mut attribute,
-        numAttrs: 1,
-    };
+    let mut attributes = Attributes::new(cluster_x);
+    let config = attributes.config(&cfg, stream.cu_stream());
     let mut args = [params as *const P as *mut std::ffi::c_void];
-    // SAFETY: `args` points to `params` for the duration of the call; the caller vouches for the
-    // parameter type and the buffers.
+    // SAFETY: `args` points to `params` and `config` to `attributes` for the duration of the
+    // call; the caller vouches for the parameter type and the buffers.
     unsafe {
         sys::cuLaunchKernelEx(
             &config,
@@ -131,6 +167,73 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     }
     .result()
     .w()
+}
+
+/// How many clusters of `size` CTAs along x of `func` (named `name`), launched as `cfg`, the GPU
+/// runs at once (0 where it cannot schedule them). The first call per device, kernel, size and
+/// shared-memory size also raises the kernel's shared-memory limit to `cfg`'s and allows sizes
+/// past the portable 8 (H100 and H200 schedule 16); later calls skip the driver.
+pub(crate) fn resident_clusters(
+    dev: &CudaDevice,
+    name: &str,
+    func: &CudaFunction,
+    cfg: &LaunchConfig,
+    size: u32,
+) -> Result<usize> {
+    type Key = (DeviceId, String, u32, u32);
+    static CLUSTERS: OnceLock<Mutex<HashMap<Key, usize>>> = OnceLock::new();
+    if compiled_compute_cap() < 90 {
+        return Ok(0);
+    }
+    let key = (dev.id(), name.to_string(), size, cfg.shared_mem_bytes);
+    let cache = CLUSTERS.get_or_init(Default::default);
+    if let Some(n) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
+        return Ok(n);
+    }
+    func.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        cfg.shared_mem_bytes as i32,
+    )
+    .w()?;
+    if size > 8 {
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+            1,
+        )
+        .w()?;
+    }
+    let mut attributes = Attributes::new(Some(size));
+    let config = attributes.config(cfg, std::ptr::null_mut());
+    let mut clusters: std::ffi::c_int = 0;
+    // SAFETY: `config` points to `attributes`, alive for the call; the driver only reads it.
+    let status =
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, func.cu_function(), &config) };
+    // A size the device cannot schedule at all is an error here, not a reason to fail the op.
+    let n = if status == sys::CUresult::CUDA_SUCCESS {
+        clusters.max(0) as usize
+    } else {
+        0
+    };
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, n);
+    }
+    Ok(n)
+}
+
+/// Dynamic shared memory that leaves room for one CTA per SM only, if one CTA may ask for it.
+pub(crate) fn one_cta_per_sm_smem(dev: &CudaDevice) -> Result<Option<usize>> {
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let per_sm = ctx
+        .attribute(
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )
+        .w()? as usize;
+    let per_cta = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()? as usize;
+    let more_than_half = per_sm / 2 + 1;
+    Ok((more_than_half <= per_cta).then_some(more_than_half))
 }
 
 /// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.

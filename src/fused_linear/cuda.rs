@@ -187,7 +187,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     };
     // SAFETY: `matvec_*` takes one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
     // and n residuals, and writes the outputs allocated above.
-    unsafe { launch_dependent(&func, dev, cfg, &params)? };
+    unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
     FUSED_LAUNCHES.set(FUSED_LAUNCHES.get() + 1);
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }

@@ -1,8 +1,9 @@
 // The partial pass of split-KV decode attention on tensor cores (f16/bf16, sm_80 and later).
 //
-// One CTA per (split, kv head, batch), as in the CUDA-core kernel, and the same streaming shape:
-// each of the four warps owns a private cp.async ring and an interleaved share of the chunk's
-// 16-row tiles, so the main loop has no block-wide barrier; the warps merge once at the end.
+// One CTA per (split, kv head, batch), as in the CUDA-core kernel, or, for grids of more than one
+// wave, persistent CTAs that walk those work items. The same streaming shape either way: each of
+// the four warps owns a private cp.async ring and an interleaved share of the chunk's 16-row tiles,
+// so the main loop has no block-wide barrier; the warps merge once per item.
 //
 // The GQA group is the M dimension of `mma.m16n8k16`: the query heads of one kv head form a
 // 16-row A operand (heads past the group are zero), so a 16-row K tile costs D/16 × 2 MMAs for the
@@ -37,6 +38,8 @@ template <int D, int GMAX> struct MmaTiling {
     // The warps' states, then (cluster merge) the CTA's result, both after the ring is drained.
     static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>() + cluster_result_bytes<D, GMAX>();
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+    // The persistent form keeps the ring streaming while it merges, so the areas sit side by side.
+    static constexpr int kPersistentSmemBytes = kRingBytes + merge_smem_bytes<D, GMAX>();
 };
 
 template <typename T> struct TensorCore;
@@ -109,7 +112,48 @@ __device__ __forceinline__ int piece_offset(int row, int piece) {
     return row * Cfg::kRowBytes + slot * 16;
 }
 
-template <typename T, int D, int GMAX>
+// One work item: a (split, kv head, batch) and the part of its chunk that exists.
+struct MmaItem {
+    int split, kv_head, b;
+    int start, end;   // positions [start, end) of this split
+    int my_tiles;     // tiles of the chunk this warp streams
+    const char* k;    // row 0 of (b, kv_head)
+    const char* v;
+};
+
+// Item `index` counts splits fastest, then kv heads, then batches, like the one-item grid.
+template <typename T, int ROWS, bool PERSISTENT>
+__device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, int warp) {
+    MmaItem it;
+    if constexpr (PERSISTENT) {
+        it.split = index % p.num_splits;
+        const int rest = index / p.num_splits;
+        it.kv_head = rest % p.kv_heads;
+        it.b = rest / p.kv_heads;
+    } else {  // the CTA's own item, without the divisions
+        it.split = blockIdx.x;
+        it.kv_head = blockIdx.y;
+        it.b = blockIdx.z;
+    }
+    int len = p.kv_len;
+    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[it.b]);
+    it.start = it.split * p.chunk_size;
+    it.end = min(it.start + p.chunk_size, len);
+    const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;
+    // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
+    it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    it.k = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + it.b * p.k_batch_stride +
+                                         it.kv_head * p.k_head_stride);
+    it.v = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + it.b * p.v_batch_stride +
+                                         it.kv_head * p.v_head_stride);
+    return it;
+}
+
+// PERSISTENT: a grid of one wave whose CTAs take items blockIdx.x, + gridDim.x, ...; each warp's
+// ring streams on across item boundaries, so the next item's first tiles are in flight while
+// this one is merged and stored (multi-wave grids otherwise pay a ramp per CTA). Otherwise one
+// item per CTA, at (blockIdx.x, blockIdx.y, blockIdx.z) = (split, kv head, batch).
+template <typename T, int D, int GMAX, bool PERSISTENT>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
@@ -122,70 +166,67 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     constexpr int NTILES = D / 8;          // n-tiles of the value product
     constexpr int PIECES = D * 2 / 16;     // 16-byte pieces per row
     constexpr bool kUpper = GMAX > 8;      // heads 8..15 (the fragments' upper rows) exist
+    constexpr int SMEM = PERSISTENT ? Cfg::kPersistentSmemBytes : Cfg::kSmemBytes;
 
     extern __shared__ __align__(16) unsigned char smem[];
-    if (dynamic_smem_bytes() < (unsigned)Cfg::kSmemBytes) __trap();
+    if (dynamic_smem_bytes() < (unsigned)SMEM) __trap();
     allow_dependent_launch();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int quad_row = lane >> 2;  // fragment row: head quad_row (and quad_row + 8)
     const int quad_col = lane & 3;   // fragment column pair
-    const int split = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
     const int group = p.q_heads / p.kv_heads;
+    const int items = p.num_splits * p.kv_heads * p.batch;
+    const int first_item = PERSISTENT
+        ? blockIdx.x
+        : blockIdx.x + p.num_splits * (blockIdx.y + p.kv_heads * blockIdx.z);
+    const int item_stride = PERSISTENT ? gridDim.x : items;
     // Up to here nothing has touched global memory, so the CTA may run ahead of the previous
     // kernel (programmatic launch); from here on it reads what that kernel wrote.
     wait_for_prerequisite_grid();
 
-    int len = p.kv_len;
-    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
-    const int start = split * p.chunk_size;
-    const int end = min(start + p.chunk_size, len);
-    const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
-
-    // Q as A fragments, one set per k-step; heads past the group are zero.
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-    auto q_pair = [&](int head, int col) -> uint32_t {
-        if (head >= group) return 0u;
-        return *reinterpret_cast<const uint32_t*>(
-            q + (long long)(kv_head * group + head) * p.q_head_stride + col);
-    };
-    uint32_t q_frag[KSTEPS][4];
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-        const int col = ks * 16 + quad_col * 2;
-        q_frag[ks][0] = q_pair(quad_row, col);
-        q_frag[ks][1] = kUpper ? q_pair(quad_row + 8, col) : 0u;
-        q_frag[ks][2] = q_pair(quad_row, col + 8);
-        q_frag[ks][3] = kUpper ? q_pair(quad_row + 8, col + 8) : 0u;
-    }
-
     unsigned char* ring = smem + warp * STAGES * Cfg::kStageBytes;
-    const char* k_base = reinterpret_cast<const char*>(
-        static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride);
-    const char* v_base = reinterpret_cast<const char*>(
-        static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride);
     const long long k_row_bytes = p.k_seq_stride * 2, v_row_bytes = p.v_seq_stride * 2;
-    // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
-    const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-    auto load_tile = [&](int n) {
-        unsigned char* k_s = ring + (n % STAGES) * Cfg::kStageBytes;
+    auto load_tile = [&](int slot, const MmaItem& it, int n) {
+        unsigned char* k_s = ring + slot * Cfg::kStageBytes;
         unsigned char* v_s = k_s + ROWS * ROW_BYTES;
-        const int first = start + (warp + n * kWarps) * ROWS;
+        const int first = it.start + (warp + n * kWarps) * ROWS;
 #pragma unroll
         for (int i = lane; i < ROWS * PIECES; i += 32) {
             const int r = i / PIECES, c = i - r * PIECES;
-            const bool valid = first + r < end;
-            const long long pos = valid ? first + r : start;  // never form an address past the end
+            const bool valid = first + r < it.end;
+            const long long pos = valid ? first + r : it.start;  // never past the end
             const int dst = piece_offset<D, GMAX>(r, c);
-            cp_async16(k_s + dst, k_base + pos * k_row_bytes + c * 16, valid);
-            cp_async16(v_s + dst, v_base + pos * v_row_bytes + c * 16, valid);
+            cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
+            cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
         }
     };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < my_tiles) load_tile(s);
+
+    // The load cursor walks this warp's tiles of every item of the CTA in the order the compute
+    // loop consumes them, STAGES - 1 tiles ahead, skipping items where the warp has none.
+    int load_index = first_item, load_n = 0, issued = 0;
+    MmaItem load_item{};
+    if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+    const MmaItem first = load_item;
+    auto settle_load = [&]() {
+        while (load_index < items && load_n >= load_item.my_tiles) {
+            load_index += item_stride;
+            load_n = 0;
+            if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+        }
+    };
+    auto issue_next = [&]() {
+        if (load_index < items) {
+            load_tile(issued % STAGES, load_item, load_n);
+            ++issued;
+            ++load_n;
+            settle_load();
+        }
         cp_async_commit();
-    }
+    };
+    settle_load();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue_next();
 
     // ldmatrix row addresses, as offsets into a stage. K (non-transposed): matrices are
     // (rows 0-7, dims lo), (rows 0-7, dims hi), (rows 8-15, lo), (rows 8-15, hi) of a k-step, the
@@ -194,135 +235,169 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     const int k_lane_row = (lane >> 4) * 8 + (lane & 7), k_lane_piece = (lane >> 3) & 1;
     const int v_lane_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_lane_piece = lane >> 4;
 
-    float acc[NTILES][4];
-#pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
-    // Running max and (this thread's columns of the) running sum for heads quad_row, quad_row + 8.
-    float run_max[2] = {-INFINITY, -INFINITY};
-    float run_sum[2] = {0.f, 0.f};
+    int consumed = 0;  // tiles this warp has taken out of its ring
+    for (int index = first_item; index < items; index += item_stride) {
+        const MmaItem it =
+            index == first_item ? first : mma_item<T, ROWS, PERSISTENT>(p, index, warp);
 
-    for (int n = 0; n < my_tiles; ++n) {
-        cp_async_wait<STAGES - 2>();
-        __syncwarp();  // tile n visible to the whole warp; slot n-1 free for reuse
-        if (n + STAGES - 1 < my_tiles) load_tile(n + STAGES - 1);
-        cp_async_commit();
-
-        const unsigned char* stage = ring + (n % STAGES) * Cfg::kStageBytes;
-        const int first = start + (warp + n * kWarps) * ROWS;
-
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // Q as A fragments, one set per k-step; heads past the group are zero.
+        const T* q = static_cast<const T*>(p.q) + it.b * p.q_batch_stride;
+        auto q_pair = [&](int head, int col) -> uint32_t {
+            if (head >= group) return 0u;
+            return *reinterpret_cast<const uint32_t*>(
+                q + (long long)(it.kv_head * group + head) * p.q_head_stride + col);
+        };
+        uint32_t q_frag[KSTEPS][4];
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            uint32_t kf[4];
-            ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(k_lane_row, ks * 2 + k_lane_piece));
-            TC::mma(s[0], q_frag[ks], kf[0], kf[1]);
-            TC::mma(s[1], q_frag[ks], kf[2], kf[3]);
+            const int col = ks * 16 + quad_col * 2;
+            q_frag[ks][0] = q_pair(quad_row, col);
+            q_frag[ks][1] = kUpper ? q_pair(quad_row + 8, col) : 0u;
+            q_frag[ks][2] = q_pair(quad_row, col + 8);
+            q_frag[ks][3] = kUpper ? q_pair(quad_row + 8, col + 8) : 0u;
         }
 
-        // s[nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), row nt*8 + quad_col*2 + (j&1).
-        const bool full = first + ROWS <= end;
+        float acc[NTILES][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const bool valid = full || first + nt * 8 + quad_col * 2 + (j & 1) < end;
-                s[nt][j] = valid ? s[nt][j] * p.scale_log2 : -INFINITY;
+            for (int j = 0; j < 4; ++j) acc[nt][j] = 0.f;
+        // Running max and (this thread's columns of the) running sum for heads quad_row, +8.
+        float run_max[2] = {-INFINITY, -INFINITY};
+        float run_sum[2] = {0.f, 0.f};
+
+        for (int n = 0; n < it.my_tiles; ++n, ++consumed) {
+            cp_async_wait<STAGES - 2>();
+            __syncwarp();  // this tile visible to the whole warp; the previous slot free for reuse
+            issue_next();
+
+            const unsigned char* stage = ring + (consumed % STAGES) * Cfg::kStageBytes;
+            const int first = it.start + (warp + n * kWarps) * ROWS;
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                uint32_t kf[4];
+                ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(k_lane_row, ks * 2 + k_lane_piece));
+                TC::mma(s[0], q_frag[ks], kf[0], kf[1]);
+                TC::mma(s[1], q_frag[ks], kf[2], kf[3]);
             }
 
-        float rescale[2] = {1.f, 1.f};
+            // s[nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), row nt*8 + quad_col*2 + (j&1).
+            const bool full = first + ROWS <= it.end;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (h == 1 && !kUpper) break;
-            const float tile_max = quad_max(
-                fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
-            const float new_max = fmaxf(run_max[h], tile_max);  // finite: each tile has a valid row
-            rescale[h] = fast_exp2(run_max[h] - new_max);
-            run_max[h] = new_max;
-        }
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const bool valid = full || first + nt * 8 + quad_col * 2 + (j & 1) < it.end;
+                    s[nt][j] = valid ? s[nt][j] * p.scale_log2 : -INFINITY;
+                }
 
-        // P as the A fragment of the value product; the sum uses the rounded weights, so the
-        // output is an exact convex combination of the rows it weights.
-        uint32_t p_frag[4];
-        float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
+            float rescale[2] = {1.f, 1.f};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (h == 1 && !kUpper) {
-                    p_frag[nt * 2 + h] = 0u;
-                    continue;
-                }
-                const uint32_t packed = TC::pack(fast_exp2(s[nt][2 * h] - run_max[h]),
-                                                 fast_exp2(s[nt][2 * h + 1] - run_max[h]));
-                const float2 rounded = TC::unpack(packed);
-                tile_sum[h] += rounded.x + rounded.y;
-                p_frag[nt * 2 + h] = packed;
+                if (h == 1 && !kUpper) break;
+                const float tile_max = quad_max(
+                    fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
+                const float new_max = fmaxf(run_max[h], tile_max);  // finite: each tile has a valid row
+                rescale[h] = fast_exp2(run_max[h] - new_max);
+                run_max[h] = new_max;
             }
-        // A fragment order: (head lo, k lo), (head hi, k lo), (head lo, k hi), (head hi, k hi).
-        const uint32_t a[4] = {p_frag[0], p_frag[1], p_frag[2], p_frag[3]};
+
+            // P as the A fragment of the value product; the sum uses the rounded weights, so the
+            // output is an exact convex combination of the rows it weights.
+            uint32_t p_frag[4];
+            float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    if (h == 1 && !kUpper) {
+                        p_frag[nt * 2 + h] = 0u;
+                        continue;
+                    }
+                    const uint32_t packed = TC::pack(fast_exp2(s[nt][2 * h] - run_max[h]),
+                                                     fast_exp2(s[nt][2 * h + 1] - run_max[h]));
+                    const float2 rounded = TC::unpack(packed);
+                    tile_sum[h] += rounded.x + rounded.y;
+                    p_frag[nt * 2 + h] = packed;
+                }
+            // A fragment order: (head lo, k lo), (head hi, k lo), (head lo, k hi), (head hi, k hi).
+            const uint32_t a[4] = {p_frag[0], p_frag[1], p_frag[2], p_frag[3]};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (h == 1 && !kUpper) break;
+                run_sum[h] = run_sum[h] * rescale[h] + tile_sum[h];
+            }
+#pragma unroll
+            for (int nt = 0; nt < NTILES; ++nt) {
+                acc[nt][0] *= rescale[0];
+                acc[nt][1] *= rescale[0];
+                if constexpr (kUpper) {
+                    acc[nt][2] *= rescale[1];
+                    acc[nt][3] *= rescale[1];
+                }
+            }
+
+#pragma unroll
+            for (int pair = 0; pair < NTILES / 2; ++pair) {
+                uint32_t vf[4];
+                ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
+                                          piece_offset<D, GMAX>(v_lane_row, pair * 2 + v_lane_piece));
+                TC::mma(acc[2 * pair], a, vf[0], vf[1]);
+                TC::mma(acc[2 * pair + 1], a, vf[2], vf[3]);
+            }
+        }
+
+        // Leave this warp's state in shared memory. One item per CTA: the merge area overlays
+        // the ring, free once every copy has landed. Persistent: it sits after the ring, which
+        // already holds the next item's first tiles.
+        if constexpr (!PERSISTENT) cp_async_wait<0>();
+        __syncthreads();
+        float* merge = reinterpret_cast<float*>(PERSISTENT ? smem + Cfg::kRingBytes : smem);
+        constexpr int SLOT = merge_slot_floats<D>();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             if (h == 1 && !kUpper) break;
-            run_sum[h] = run_sum[h] * rescale[h] + tile_sum[h];
-        }
+            const int head = quad_row + 8 * h;
+            const float sum = quad_sum(run_sum[h]);
+            if (head < group) {
+                float* slot = merge + (warp * GMAX + head) * SLOT;
 #pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt) {
-            acc[nt][0] *= rescale[0];
-            acc[nt][1] *= rescale[0];
-            if constexpr (kUpper) {
-                acc[nt][2] *= rescale[1];
-                acc[nt][3] *= rescale[1];
+                for (int nt = 0; nt < NTILES; ++nt) {
+                    slot[nt * 8 + quad_col * 2] = acc[nt][2 * h];
+                    slot[nt * 8 + quad_col * 2 + 1] = acc[nt][2 * h + 1];
+                }
+                if (quad_col == 0) {
+                    slot[D] = run_max[h];
+                    slot[D + 1] = sum;
+                }
             }
         }
-
-#pragma unroll
-        for (int pair = 0; pair < NTILES / 2; ++pair) {
-            uint32_t vf[4];
-            ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
-                                      piece_offset<D, GMAX>(v_lane_row, pair * 2 + v_lane_piece));
-            TC::mma(acc[2 * pair], a, vf[0], vf[1]);
-            TC::mma(acc[2 * pair + 1], a, vf[2], vf[3]);
+        __syncthreads();
+        if constexpr (PERSISTENT) {
+            merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, nullptr);
+            __syncthreads();  // the next item's merge reuses the area
+        } else {
+            float* result = p.merge_in_cluster
+                ? reinterpret_cast<float*>(smem + merge_smem_bytes<D, GMAX>())
+                : nullptr;
+            merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, result);
+            if (p.merge_in_cluster)
+                merge_across_cluster<T, D, GMAX>(p, result, group, it.kv_head, it.b);
         }
     }
-
-    // Leave this warp's state in shared memory (the rings are free once every copy has landed).
-    cp_async_wait<0>();
-    __syncthreads();
-    float* merge = reinterpret_cast<float*>(smem);  // [warp][head][D + 2]: outputs, max, sum
-    constexpr int SLOT = merge_slot_floats<D>();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (h == 1 && !kUpper) break;
-        const int head = quad_row + 8 * h;
-        const float sum = quad_sum(run_sum[h]);
-        if (head < group) {
-            float* slot = merge + (warp * GMAX + head) * SLOT;
-#pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt) {
-                slot[nt * 8 + quad_col * 2] = acc[nt][2 * h];
-                slot[nt * 8 + quad_col * 2 + 1] = acc[nt][2 * h + 1];
-            }
-            if (quad_col == 0) {
-                slot[D] = run_max[h];
-                slot[D + 1] = sum;
-            }
-        }
-    }
-    __syncthreads();
-    float* result = p.merge_in_cluster
-        ? reinterpret_cast<float*>(smem + merge_smem_bytes<D, GMAX>())
-        : nullptr;
-    merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b, result);
-    if (p.merge_in_cluster) merge_across_cluster<T, D, GMAX>(p, result, group, kv_head, b);
 }
 
-// GMAX 8 covers groups 1..8 with the upper fragment rows unused; GMAX 16 covers 9..16.
-#define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                  \
-    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(           \
-        const DecodeParams p) {                                                              \
-        decode_partial_mma<T, D, GMAX>(p);                                                   \
+// GMAX 8 covers groups 1..8 with the upper fragment rows unused; GMAX 16 covers 9..16. Each
+// comes in both forms, one item per CTA and persistent (suffix `_persistent`).
+#define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                   \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(            \
+        const DecodeParams p) {                                                               \
+        decode_partial_mma<T, D, GMAX, false>(p);                                             \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX##_persistent( \
+        const DecodeParams p) {                                                               \
+        decode_partial_mma<T, D, GMAX, true>(p);                                              \
     }
 
 #define DECODE_MMA_DIMS(NAME, T)          \

@@ -126,9 +126,9 @@ fn cuda_core_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usiz
     ring.max(merge_smem_bytes(head_dim, gmax)) + q_in_smem
 }
 
-/// Dynamic shared memory of one tensor-core CTA: `MmaTiling::kSmemBytes` in
-/// kernels/split_kv_decode_mma.cuh.
-fn tensor_core_smem_bytes(head_dim: usize, gmax: usize) -> usize {
+/// Dynamic shared memory of one tensor-core CTA: `MmaTiling::kSmemBytes`, or
+/// `kPersistentSmemBytes` for the persistent form, in kernels/split_kv_decode_mma.cuh.
+fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usize {
     const RING_BYTES_PER_WARP: usize = 26 * 1024;
     const ROWS: usize = 16;
     // Dense swizzled rows when a row is a multiple of 128 bytes, else a 16-byte pad.
@@ -139,8 +139,11 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize) -> usize {
     };
     let stage_bytes = 2 * ROWS * row_bytes;
     let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
-    let merge = merge_smem_bytes(head_dim, gmax) + cluster_result_bytes(head_dim, gmax);
-    (WARPS * stages * stage_bytes).max(merge)
+    let ring = WARPS * stages * stage_bytes;
+    if persistent {
+        return ring + merge_smem_bytes(head_dim, gmax);
+    }
+    ring.max(merge_smem_bytes(head_dim, gmax) + cluster_result_bytes(head_dim, gmax))
 }
 
 /// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum.
@@ -231,28 +234,43 @@ fn check_alignment(
 /// The partial kernel for one (family, dtype, head dim, group bucket), ready to launch.
 struct DecodeKernel {
     family: CudaKernel,
+    /// One wave of CTAs that walk the work items (tensor-core kernels only), instead of one
+    /// CTA per item.
+    persistent: bool,
     name: String,
     func: CudaFunction,
     smem_bytes: usize,
     /// CTAs the split plan aims for.
     parallel_slots: usize,
+    /// CTAs the GPU holds at once.
+    resident: usize,
 }
 
 impl DecodeKernel {
-    fn load(dev: &CudaDevice, family: CudaKernel, dtype: DType, dims: &DecodeDims) -> Result<Self> {
+    fn load(
+        dev: &CudaDevice,
+        family: CudaKernel,
+        dtype: DType,
+        dims: &DecodeDims,
+        persistent: bool,
+    ) -> Result<Self> {
         let (module, ptx) = decode_module(family, dtype)?;
         let gmax = group_bucket(dims.group_size())?;
         let (gmax, smem_bytes) = match family {
             CudaKernel::TensorCore => {
                 let gmax = gmax.max(8);
-                (gmax, tensor_core_smem_bytes(dims.head_dim, gmax))
+                (
+                    gmax,
+                    tensor_core_smem_bytes(dims.head_dim, gmax, persistent),
+                )
             }
             _ => (
                 gmax,
                 cuda_core_smem_bytes(dims.head_dim, dtype.size_in_bytes(), gmax),
             ),
         };
-        let name = format!("{module}_d{}_g{gmax}", dims.head_dim);
+        let suffix = if persistent { "_persistent" } else { "" };
+        let name = format!("{module}_d{}_g{gmax}{suffix}", dims.head_dim);
         let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
         let residency = resident_ctas(dev, &name, &func, DECODE_THREADS, smem_bytes)?;
         // Tensor-core CTAs each stream enough bytes to keep an SM's share of HBM busy: one per
@@ -264,10 +282,12 @@ impl DecodeKernel {
         };
         Ok(Self {
             family,
+            persistent,
             name,
             func,
             smem_bytes,
             parallel_slots,
+            resident: residency.total(),
         })
     }
 }
@@ -280,8 +300,15 @@ fn prepare(
     dims: &DecodeDims,
 ) -> Result<(DecodeKernel, crate::plan::SplitPlan)> {
     let family = resolve_family(op.cuda_kernel, dtype)?;
-    let kernel = DecodeKernel::load(dev, family, dtype, dims)?;
+    let kernel = DecodeKernel::load(dev, family, dtype, dims, false)?;
     let plan = op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
+    let items = plan.num_splits * dims.batch * dims.kv_heads;
+    // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
+    // of persistent CTAs walks them instead (b = 64, 32/8, L = 1K: 512 items).
+    if family == CudaKernel::TensorCore && items > kernel.resident {
+        let persistent = DecodeKernel::load(dev, family, dtype, dims, true)?;
+        return Ok((persistent, plan));
+    }
     Ok((kernel, plan))
 }
 
@@ -297,7 +324,10 @@ fn merge_cluster(
     splits: usize,
     cfg: &LaunchConfig,
 ) -> Result<Option<(u32, LaunchConfig)>> {
-    if kernel.family != CudaKernel::TensorCore || !(2..=MAX_CLUSTER).contains(&splits) {
+    if kernel.family != CudaKernel::TensorCore
+        || kernel.persistent
+        || !(2..=MAX_CLUSTER).contains(&splits)
+    {
         return Ok(None);
     }
     let Some(smem) = one_cta_per_sm_smem(dev)? else {
@@ -374,12 +404,18 @@ fn launch<T: CudaDType + DeviceRepr>(
     let (decode, smem) = (&kernel.func, kernel.smem_bytes);
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
-    let cfg = LaunchConfig {
-        grid_dim: (
+    let items = plan.num_splits * dims.batch * dims.kv_heads;
+    let grid_dim = if kernel.persistent {
+        (items.min(kernel.resident) as u32, 1, 1)
+    } else {
+        (
             plan.num_splits as u32,
             dims.kv_heads as u32,
             dims.batch as u32,
-        ),
+        )
+    };
+    let cfg = LaunchConfig {
+        grid_dim,
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };

@@ -307,6 +307,50 @@ fn gpu_varlen() -> Result<()> {
     Ok(())
 }
 
+/// More work items than resident CTAs: the tensor-core kernels then run one wave of persistent
+/// CTAs whose warps stream on across item boundaries. Ragged lengths (empty, one position,
+/// partial tiles) make warps skip items and leave tiles half full.
+#[test]
+fn gpu_persistent_grid() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut count = 0;
+    // (batch, h_q, h_kv, d): each has more (batch, kv head) pairs than the GPU holds CTAs.
+    for (b, h_q, h_kv, d) in [
+        (40, 32, 8, 128),
+        (40, 8, 8, 64),
+        (40, 12, 4, 256),
+        (70, 48, 4, 96),
+    ] {
+        for dtype in [DType::BF16, DType::F16] {
+            let case = Case {
+                b,
+                h_q,
+                h_kv,
+                d,
+                l: 600,
+                dtype,
+            };
+            let (q, k, v) = common::random_qkv(&case, &dev)?;
+            let pattern = [600u32, 0, 1, 17, 333, 599];
+            let lens: Vec<u32> = (0..b).map(|i| pattern[i % pattern.len()]).collect();
+            let seqlens = Tensor::new(lens.as_slice(), &dev)?;
+            let want = reference(&q, &k, &v, case.scale(), Some(&lens))?;
+            for splits in [None, Some(3)] {
+                let op = poisoned(case.scale())
+                    .with_seqlens(seqlens.clone())
+                    .with_num_splits(splits);
+                let (out, lse) = op.forward_with_lse(&q, &k, &v)?;
+                let what = format!("persistent {case:?} splits {splits:?}");
+                assert_close(&what, &out, &want.out, dtype)?;
+                assert_lse_close(&what, &lse, &want.lse, dtype)?;
+                count += 1;
+            }
+        }
+    }
+    println!("gpu_persistent_grid: {count} cases passed");
+    Ok(())
+}
+
 #[test]
 fn gpu_matches_cpu_op() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

@@ -59,7 +59,7 @@ enum KernelArg {
     CudaCore,
 }
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(about = "Benchmark split-KV decode attention")]
 struct Args {
     /// cpu or cuda.
@@ -95,6 +95,13 @@ struct Args {
     /// Skip points whose K+V exceeds this many GiB.
     #[arg(long, default_value_t = 8.0)]
     max_kv_gib: f64,
+    /// Run the whole list of points this many times in one process, each line tagged with its
+    /// `pass`: shows how much a point moves with the process's allocation history.
+    #[arg(long, default_value_t = 1)]
+    passes: usize,
+    /// The pass being run (set by `main`, not on the command line).
+    #[arg(skip)]
+    pass: usize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -237,6 +244,9 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
     });
     if let (Some(obj), Some(more)) = (line.as_object_mut(), extra.as_object()) {
         obj.extend(more.clone());
+        if args.passes > 1 {
+            obj.insert("pass".into(), json!(args.pass));
+        }
     }
     if args.json {
         println!("{line}");
@@ -429,12 +439,22 @@ fn main() -> Result<()> {
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }
-    match args.device.as_str() {
-        "cpu" => bench_cpu(&args),
-        #[cfg(feature = "cuda")]
-        "cuda" => gpu::bench(&args),
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
-        other => bail!("unknown --device {other:?}: use cpu or cuda"),
+    if args.passes == 0 {
+        bail!("--passes must be at least 1");
     }
+    for pass in 0..args.passes {
+        let args = Args {
+            pass,
+            ..args.clone()
+        };
+        match args.device.as_str() {
+            "cpu" => bench_cpu(&args)?,
+            #[cfg(feature = "cuda")]
+            "cuda" => gpu::bench(&args)?,
+            #[cfg(not(feature = "cuda"))]
+            "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
+            other => bail!("unknown --device {other:?}: use cpu or cuda"),
+        }
+    }
+    Ok(())
 }

@@ -8,8 +8,8 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use crate::cuda_launch::{
-    compiled_compute_cap, device_ptr, launch_dependent, one_cta_per_sm_smem, poison,
-    resident_clusters, resident_ctas,
+    compiled_compute_cap, device_ptr, launch_dependent, max_smem_per_cta, one_cta_per_sm_smem,
+    poison, resident_clusters, resident_ctas,
 };
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
@@ -304,8 +304,12 @@ fn prepare(
     let plan = op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
-    // of persistent CTAs walks them instead (b = 64, 32/8, L = 1K: 512 items).
-    if family == CudaKernel::TensorCore && items > kernel.resident {
+    // of persistent CTAs walks them instead (b = 64, 32/8, L = 1K: 512 items), where the device
+    // has the shared memory for the persistent form's separate merge area.
+    let gmax = group_bucket(dims.group_size())?.max(8);
+    let persistent_fits =
+        tensor_core_smem_bytes(dims.head_dim, gmax, true) <= max_smem_per_cta(dev)?;
+    if family == CudaKernel::TensorCore && items > kernel.resident && persistent_fits {
         let persistent = DecodeKernel::load(dev, family, dtype, dims, true)?;
         return Ok((persistent, plan));
     }

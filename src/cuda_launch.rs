@@ -220,20 +220,27 @@ pub(crate) fn resident_clusters(
     Ok(n)
 }
 
+/// The most dynamic shared memory one CTA may opt into on `dev`.
+pub(crate) fn max_smem_per_cta(dev: &CudaDevice) -> Result<usize> {
+    let stream = dev.cuda_stream();
+    let bytes = stream
+        .context()
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    Ok(bytes.max(0) as usize)
+}
+
 /// Dynamic shared memory that leaves room for one CTA per SM only, if one CTA may ask for it.
 pub(crate) fn one_cta_per_sm_smem(dev: &CudaDevice) -> Result<Option<usize>> {
     let stream = dev.cuda_stream();
-    let ctx = stream.context();
-    let per_sm = ctx
+    let per_sm = stream
+        .context()
         .attribute(
             sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
         )
         .w()? as usize;
-    let per_cta = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()? as usize;
     let more_than_half = per_sm / 2 + 1;
-    Ok((more_than_half <= per_cta).then_some(more_than_half))
+    Ok((more_than_half <= max_smem_per_cta(dev)?).then_some(more_than_half))
 }
 
 /// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.

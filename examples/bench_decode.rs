@@ -388,6 +388,9 @@ mod gpu {
         };
         // One stream only: per-tensor events would also be recorded inside graph capture.
         unsafe { cuda.disable_event_tracking() };
+        // As the KV cache does: inputs allocated and freed point after point would otherwise land
+        // in freshly remapped pool memory, which streams slower from process to process.
+        candle_splitkv::retain_freed_device_memory(&device)?;
         for p in points(args, true)? {
             let sets = rotation(&p);
             let inputs: Vec<Inputs> = (0..sets)

@@ -31,6 +31,7 @@ mod cpu;
 mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_launch;
+mod device_memory;
 pub mod fused_linear;
 pub mod models;
 mod op;
@@ -41,6 +42,7 @@ use candle_core::{Result, Tensor};
 
 pub use attention::{cached_attention, AttentionBackend, CachedAttention};
 pub use cache::{KvCache, KvCacheConfig};
+pub use device_memory::retain_freed_device_memory;
 pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 pub use op::{CudaKernel, SplitKvAttention};
 pub use validate::SUPPORTED_HEAD_DIMS;

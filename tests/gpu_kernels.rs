@@ -452,3 +452,39 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     assert!(err.to_string().contains("f16 or bf16"), "{err}");
     Ok(())
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_retain_freed_device_memory() -> Result<()> {
+    use cudarc::driver::{result, sys};
+    let Some(dev) = gpu() else { return Ok(()) };
+    let Device::Cuda(cuda) = &dev else {
+        unreachable!("gpu() returns a CUDA device")
+    };
+    let context = cuda.cuda_stream().context().clone();
+    if !context.has_async_alloc() {
+        eprintln!("device has no memory pool: nothing to check");
+        return Ok(());
+    }
+    let threshold = || -> Result<u64> {
+        let mut value = 0u64;
+        unsafe {
+            let pool = result::device::get_mem_pool(context.cu_device())
+                .map_err(candle_core::Error::wrap)?;
+            result::mem_pool::get_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+            .map_err(candle_core::Error::wrap)?;
+        }
+        Ok(value)
+    };
+    candle_splitkv::retain_freed_device_memory(&dev)?;
+    assert_eq!(
+        threshold()?,
+        u64::MAX,
+        "the pool still releases freed memory"
+    );
+    Ok(())
+}

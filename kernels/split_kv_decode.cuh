@@ -225,12 +225,12 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     // Merge the warps through shared memory (the rings are free once every copy has landed).
     cp_async_wait<0>();
     __syncthreads();
-    float* merge = reinterpret_cast<float*>(smem);  // [warp][g][D + 2]: outputs, max, sum
+    float* merge = reinterpret_cast<float*>(smem);  // [warp][g][slot]: outputs, max, sum
     if (row_in_step == 0) {
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
             if (g >= group) continue;
-            float* slot = merge + (warp * GMAX + g) * (D + 2);
+            float* slot = merge + (warp * GMAX + g) * merge_slot_floats<D>();
             if (active) {
 #pragma unroll
                 for (int j = 0; j < 8; ++j) slot[chunk * 8 + j] = acc[g][j];

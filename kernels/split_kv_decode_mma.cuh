@@ -363,10 +363,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             if (head < group) {
                 float* slot = merge + (warp * GMAX + head) * SLOT;
 #pragma unroll
-                for (int nt = 0; nt < NTILES; ++nt) {
-                    slot[nt * 8 + quad_col * 2] = acc[nt][2 * h];
-                    slot[nt * 8 + quad_col * 2 + 1] = acc[nt][2 * h + 1];
-                }
+                for (int nt = 0; nt < NTILES; ++nt)
+                    *reinterpret_cast<float2*>(slot + nt * 8 + quad_col * 2) =
+                        make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
                 if (quad_col == 0) {
                     slot[D] = run_max[h];
                     slot[D + 1] = sum;

@@ -7,8 +7,10 @@
 
 #include "common.cuh"
 
-// Floats per (warp, head) slot: the output row, then the max and the sum.
-template <int D> __host__ __device__ constexpr int merge_slot_floats() { return D + 2; }
+// Floats per (warp, head) slot: the output row, then the max and the sum, padded so that slots
+// stay 16-byte aligned for the float4 reads of the merge and sit 8 banks apart, which keeps the
+// tensor-core warps' float2 writes of eight heads at once free of bank conflicts.
+template <int D> __host__ __device__ constexpr int merge_slot_floats() { return D + 8; }
 
 template <int D, int GMAX> __host__ __device__ constexpr int merge_smem_bytes() {
     return kWarps * GMAX * merge_slot_floats<D>() * (int)sizeof(float);
@@ -19,43 +21,52 @@ template <int D, int GMAX> __host__ __device__ constexpr int cluster_result_byte
     return GMAX * (D + 1) * (int)sizeof(float);
 }
 
-// `merge` holds [warp][head][D + 2]; the caller has synchronised the CTA after filling it.
-// `cluster_result` (shared memory, or null) takes the result instead of the scratch buffers.
+// `merge` holds [warp][head][merge_slot_floats]; the caller has synchronised the CTA after
+// filling it. `cluster_result` (shared memory, or null) takes the result instead of the scratch
+// buffers. Each thread finishes four consecutive columns of one head, so the warps' weights are
+// worked out once per four outputs and every shared-memory read is a float4.
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float* merge,
                                                       int group, int split, int kv_head, int b,
                                                       float* cluster_result) {
     constexpr int SLOT = merge_slot_floats<D>();
+    constexpr int QUADS = D / 4;  // four-column groups per head
     const bool single = p.num_splits == 1;
-    for (int i = threadIdx.x; i < group * D; i += kThreads) {
-        const int g = i / D, c = i - g * D;
+    for (int i = threadIdx.x; i < group * QUADS; i += kThreads) {
+        const int g = i / QUADS, c = (i - g * QUADS) * 4;
         float m = -INFINITY;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge[(w * GMAX + g) * SLOT + D]);
-        float value = 0.f;
+        float4 value = {0.f, 0.f, 0.f, 0.f};
         float lse2 = -INFINITY;
         if (m != -INFINITY) {
-            float total = 0.f, sum = 0.f;
+            float4 total = {0.f, 0.f, 0.f, 0.f};
+            float sum = 0.f;
 #pragma unroll
             for (int w = 0; w < kWarps; ++w) {
                 const float* slot = merge + (w * GMAX + g) * SLOT;
                 const float weight = fast_exp2(slot[D] - m);  // 0 for a warp that saw no rows
-                total = fmaf(weight, slot[c], total);
+                const float4 x = *reinterpret_cast<const float4*>(slot + c);
+                total.x = fmaf(weight, x.x, total.x);
+                total.y = fmaf(weight, x.y, total.y);
+                total.z = fmaf(weight, x.z, total.z);
+                total.w = fmaf(weight, x.w, total.w);
                 sum = fmaf(weight, slot[D + 1], sum);
             }
-            value = total / sum;
+            const float inv = 1.f / sum;
+            value = make_float4(total.x * inv, total.y * inv, total.z * inv, total.w * inv);
             lse2 = m + __log2f(sum);
         }
         const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
         if (single) {
-            static_cast<T*>(p.out)[row_index * D + c] = from_float<T>(value);
+            store4(static_cast<T*>(p.out) + row_index * D + c, value);
             if (c == 0 && p.lse_out != nullptr) p.lse_out[row_index] = lse2 * kLn2;
         } else if (cluster_result != nullptr) {
-            cluster_result[g * D + c] = value;
+            store4(cluster_result + g * D + c, value);
             if (c == 0) cluster_result[GMAX * D + g] = lse2;
         } else {
             const long long slot = row_index * p.num_splits + split;
-            p.partial_out[slot * D + c] = value;
+            store4(p.partial_out + slot * D + c, value);
             if (c == 0) p.partial_lse[slot] = lse2;
         }
     }

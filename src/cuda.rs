@@ -146,9 +146,10 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usi
     ring.max(merge_smem_bytes(head_dim, gmax) + cluster_result_bytes(head_dim, gmax))
 }
 
-/// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum.
+/// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum,
+/// padded to `merge_slot_floats` (head_dim + 8).
 fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
-    WARPS * gmax * (head_dim + 2) * 4
+    WARPS * gmax * (head_dim + 8) * 4
 }
 
 /// `cluster_result_bytes` in kernels/warp_merge.cuh: per head, the output row and the LSE.

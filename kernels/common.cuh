@@ -61,6 +61,25 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(x);
 }
 
+// Four consecutive output elements in the output dtype, one 8- or 16-byte store.
+__device__ __forceinline__ void store4(float* dst, float4 x) {
+    *reinterpret_cast<float4*>(dst) = x;
+}
+__device__ __forceinline__ void store4(__half* dst, float4 x) {
+    const __half2 lo = __floats2half2_rn(x.x, x.y), hi = __floats2half2_rn(x.z, x.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(dst) = packed;
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* dst, float4 x) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(x.x, x.y), hi = __floats2bfloat162_rn(x.z, x.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(dst) = packed;
+}
+
 // Eight consecutive elements from 16-byte aligned shared memory, widened to f32.
 __device__ __forceinline__ void load8(const __half* p, float (&f)[8]) {
     uint4 raw = *reinterpret_cast<const uint4*>(p);

@@ -314,7 +314,54 @@ fn prepare(
         let persistent = DecodeKernel::load(dev, family, dtype, dims, true)?;
         return Ok((persistent, plan));
     }
+    if op.num_splits.is_none() {
+        if let Some(shorter) = cluster_plan(dev, &kernel, dims, plan)? {
+            return Ok((kernel, shorter));
+        }
+    }
     Ok((kernel, plan))
+}
+
+/// Chunks of at most this many K+V bytes are short enough that merging inside clusters on fewer
+/// SMs beats streaming on every SM followed by the combine pass (H200, bf16: b = 4, 32/8, d 64,
+/// 1K, 3 splits of 96 KiB in clusters 6.9 µs against 4 with the combine 7.7; b = 1, 32/8, d 128,
+/// 4K, 8 splits of 256 KiB in clusters 9.3 µs against 16 with the combine 9.2).
+const CLUSTER_CHUNK_BYTES: usize = 192 * 1024;
+
+/// Where the heuristic's plan needs the combine pass because its clusters would not all be
+/// resident, a plan of at least half as many splits whose clusters are, provided its chunks stay
+/// within [`CLUSTER_CHUNK_BYTES`]: at short contexts the combine pass (a second grid and an L2
+/// round trip) costs more than the SMs given up.
+fn cluster_plan(
+    dev: &CudaDevice,
+    kernel: &DecodeKernel,
+    dims: &DecodeDims,
+    plan: crate::plan::SplitPlan,
+) -> Result<Option<crate::plan::SplitPlan>> {
+    let units = dims.batch * dims.kv_heads;
+    let config = |splits: usize| LaunchConfig {
+        grid_dim: (splits as u32, dims.kv_heads as u32, dims.batch as u32),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: kernel.smem_bytes as u32,
+    };
+    let splits = plan.num_splits;
+    if kernel.family != CudaKernel::TensorCore
+        || splits < 2
+        || merge_cluster(dev, kernel, units, splits, &config(splits))?.is_some()
+    {
+        return Ok(None);
+    }
+    for fewer in (splits.div_ceil(2)..splits).rev() {
+        let candidate = crate::plan::aligned(dims.kv_len, fewer);
+        if 2 * candidate.chunk_size * dims.head_dim * 2 > CLUSTER_CHUNK_BYTES {
+            break; // fewer splits only lengthen the chunks
+        }
+        let splits = candidate.num_splits;
+        if splits >= 2 && merge_cluster(dev, kernel, units, splits, &config(splits))?.is_some() {
+            return Ok(Some(candidate));
+        }
+    }
+    Ok(None)
 }
 
 /// The launch that merges the splits inside the partial pass, clusters of all the splits of one

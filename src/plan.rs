@@ -70,6 +70,12 @@ pub fn forced(seq_len: usize, num_splits: usize) -> SplitPlan {
     }
 }
 
+/// `splits` chunks of [`CHUNK_ALIGN`]-rounded length over `seq_len` positions, or fewer where the
+/// rounding leaves the last ones empty.
+pub fn aligned(seq_len: usize, splits: usize) -> SplitPlan {
+    chunked(seq_len, splits.max(1), CHUNK_ALIGN)
+}
+
 fn chunked(seq_len: usize, wanted_splits: usize, min_chunk: usize) -> SplitPlan {
     let chunk = seq_len.div_ceil(wanted_splits).max(min_chunk);
     let chunk_size = chunk.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
@@ -86,6 +92,31 @@ fn chunked(seq_len: usize, wanted_splits: usize, min_chunk: usize) -> SplitPlan 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn aligned_rounds_chunks_and_drops_empty_splits() {
+        assert_eq!(
+            aligned(1024, 3),
+            SplitPlan {
+                num_splits: 3,
+                chunk_size: 384
+            }
+        );
+        // 100 / 3 rounds to one 64-position chunk and a shorter second one.
+        assert_eq!(
+            aligned(100, 3),
+            SplitPlan {
+                num_splits: 2,
+                chunk_size: 64
+            }
+        );
+        for (len, splits) in [(1, 1), (4096, 12), (131072, 7), (5000, 16)] {
+            let p = aligned(len, splits);
+            covers(p, len);
+            assert!(p.num_splits <= splits);
+            assert_eq!(p.chunk_size % CHUNK_ALIGN, 0);
+        }
+    }
 
     fn covers(p: SplitPlan, seq_len: usize) {
         assert!(p.num_splits >= 1);

@@ -126,6 +126,42 @@ fn gpu_cuda_core_kernels_16bit() -> Result<()> {
     Ok(())
 }
 
+/// Short contexts where the plan may trade splits for a cluster merge (on sm_90: 4 splits with
+/// the combine pass become 3 in clusters, 16 become 8), against the reference, with ragged
+/// lengths so that the shorter chunks end mid-tile.
+#[test]
+fn gpu_short_context_cluster_plans() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shapes = [
+        (1, 32, 32, 128, 1024),
+        (4, 32, 8, 64, 1000),
+        (4, 64, 8, 128, 1111),
+        (1, 32, 8, 64, 4096),
+        (2, 128, 8, 128, 777),
+    ];
+    for (b, h_q, h_kv, d, l) in shapes {
+        for dtype in [DType::BF16, DType::F16] {
+            let case = Case {
+                b,
+                h_q,
+                h_kv,
+                d,
+                l,
+                dtype,
+            };
+            let (q, k, _) = common::random_qkv(&case, &dev)?;
+            let plan = poisoned(case.scale()).split_plan(&q, &k)?;
+            assert!(
+                plan.num_splits * plan.chunk_size >= l,
+                "{plan:?} misses rows of {l}"
+            );
+            println!("gpu_short_context_cluster_plans {case:?}: {plan:?}");
+            check_case(&dev, case, None)?;
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn gpu_forced_splits_agree() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };

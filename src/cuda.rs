@@ -353,7 +353,9 @@ fn cluster_plan(
     }
     for fewer in (splits.div_ceil(2)..splits).rev() {
         let candidate = crate::plan::aligned(dims.kv_len, fewer);
-        if 2 * candidate.chunk_size * dims.head_dim * 2 > CLUSTER_CHUNK_BYTES {
+        // K and V rows of 16-bit elements, the tensor-core kernels' inputs.
+        let chunk_bytes = 2 * candidate.chunk_size * dims.head_dim * 2;
+        if chunk_bytes > CLUSTER_CHUNK_BYTES {
             break; // fewer splits only lengthen the chunks
         }
         let splits = candidate.num_splits;

@@ -109,7 +109,8 @@ impl SplitKvAttention {
         }
     }
 
-    /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice, or
+    /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
+    /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let dims = validate::check_tensors(q, k, k)?;

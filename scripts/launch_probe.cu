@@ -2,7 +2,9 @@
 // CUDA graph, with and without programmatic dependent launch (PDL), for grids shaped like the
 // decode kernel's (128 CTAs of 128 threads, with or without a large shared-memory request).
 // Each kernel spins for `body_ns` on the global timer after its grid-dependency wait and writes
-// one word, so the period per kernel minus the body is the boundary's cost.
+// one word, so the period per kernel minus the body is the boundary's cost. A second part times
+// pairs shaped like the partial and combine passes, the combine waiting either for the whole
+// previous grid or only for an arrival count the partial CTAs bump after their writes.
 //
 // Not part of the crate's build. Build and run:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static scripts/launch_probe.cu -o launch_probe
@@ -88,6 +90,101 @@ static float period_us(int ctas, int smem, unsigned body_ns, bool pdl, int chain
     return t[t.size() / 2];
 }
 
+// A partial-pass stand-in: spins, writes a word, then counts itself done on `arrivals`.
+__global__ void partial_like(unsigned* out, unsigned* arrivals, unsigned body_ns) {
+    extern __shared__ unsigned char smem[];
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const uint64_t start = global_ns();
+    while (global_ns() - start < body_ns) {
+    }
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = (unsigned)start + smem[0] * 0u;
+        __threadfence();
+        atomicAdd(arrivals, 1u);
+    }
+}
+
+// A combine stand-in: waits for the whole previous grid (griddepcontrol.wait), or only for
+// `expected` arrivals on the counter, then reads what the partial CTAs wrote.
+__global__ void combine_like(const unsigned* in, unsigned* out, const unsigned* arrivals,
+                             unsigned expected, int by_count) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (by_count) {
+        if (threadIdx.x == 0)
+            while (*(volatile const unsigned*)arrivals < expected) {
+            }
+        __syncthreads();
+        __threadfence();
+    } else {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = in[blockIdx.x * 4 % 128];
+}
+
+// Period of one (partial_like, combine_like) pair in a graph of `chain` pairs, both launched as
+// programmatic dependents; each pair counts on its own zeroed counter.
+static float pair_period_us(int smem, unsigned body_ns, int by_count, int chain) {
+    unsigned *buf, *out, *counters;
+    CK(cudaMalloc(&buf, 4096 * sizeof(unsigned)));
+    CK(cudaMalloc(&out, 4096 * sizeof(unsigned)));
+    CK(cudaMalloc(&counters, chain * sizeof(unsigned)));
+    if (smem > 48 * 1024)
+        CK(cudaFuncSetAttribute((const void*)partial_like,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    CK(cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), s));
+    for (int i = 0; i < chain; ++i) {
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t a = {};
+        a.gridDim = dim3(128);
+        a.blockDim = dim3(128);
+        a.dynamicSmemBytes = smem;
+        a.stream = s;
+        a.attrs = attr;
+        a.numAttrs = i == 0 ? 0 : 1;
+        CK(cudaLaunchKernelEx(&a, partial_like, buf, counters + i, body_ns));
+        cudaLaunchConfig_t b = {};
+        b.gridDim = dim3(32);
+        b.blockDim = dim3(128);
+        b.stream = s;
+        b.attrs = attr;
+        b.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&b, combine_like, (const unsigned*)buf, out,
+                              (const unsigned*)(counters + i), 128u, by_count));
+    }
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaGraphLaunch(exec, s));
+    std::vector<float> t;
+    for (int r = 0; r < 7; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(exec, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1000.f / chain);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaStreamDestroy(s));
+    CK(cudaFree(buf));
+    CK(cudaFree(out));
+    CK(cudaFree(counters));
+    return t[t.size() / 2];
+}
+
 int main() {
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -101,6 +198,20 @@ int main() {
                            ctas, smem / 1024, body / 1000.0, pdl, us, us - body / 1000.0);
                     fflush(stdout);
                 }
+            }
+        }
+    }
+    // The partial/combine pair: the combine waiting for the whole grid against waiting for an
+    // arrival count.
+    for (int smem : {0, 100 * 1024}) {
+        for (unsigned body : {0u, 2000u, 5000u}) {
+            for (int by_count : {0, 1}) {
+                const float us = pair_period_us(smem, body, by_count, 200);
+                printf("{\"pair\":1,\"smem_kib\":%d,\"body_us\":%.1f,\"combine_waits_on\":\"%s\","
+                       "\"period_us\":%.2f,\"overhead_us\":%.2f}\n",
+                       smem / 1024, body / 1000.0, by_count ? "count" : "grid", us,
+                       us - body / 1000.0);
+                fflush(stdout);
             }
         }
     }

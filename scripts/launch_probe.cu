@@ -4,7 +4,8 @@
 // Each kernel spins for `body_ns` on the global timer after its grid-dependency wait and writes
 // one word, so the period per kernel minus the body is the boundary's cost. A second part times
 // pairs shaped like the partial and combine passes, the combine waiting either for the whole
-// previous grid or only for an arrival count the partial CTAs bump after their writes.
+// previous grid or only for an arrival count the partial CTAs bump after their writes. A third
+// times the pair with the op's stream-ordered allocations captured into the graph as well.
 //
 // Not part of the crate's build. Build and run:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -cudart static scripts/launch_probe.cu -o launch_probe
@@ -13,6 +14,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <algorithm>
 #include <vector>
 
@@ -185,10 +187,82 @@ static float pair_period_us(int smem, unsigned body_ns, int by_count, int chain)
     return t[t.size() / 2];
 }
 
-int main() {
+// Period of one pair when each call also allocates what the op allocates, as stream-ordered
+// allocations captured into the graph: `allocs` = 0 (none), 1 (the output), 2 (output and
+// split scratch); each is freed after the combine, as a tensor dropped after the call is.
+static float alloc_pair_period_us(int smem, unsigned body_ns, int allocs, int chain) {
+    unsigned *fixed_scratch, *fixed_out, *counters;
+    CK(cudaMalloc(&fixed_scratch, 65536 * sizeof(unsigned)));
+    CK(cudaMalloc(&fixed_out, 4096 * sizeof(unsigned)));
+    CK(cudaMalloc(&counters, chain * sizeof(unsigned)));
+    if (smem > 48 * 1024)
+        CK(cudaFuncSetAttribute((const void*)partial_like,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    for (int i = 0; i < chain; ++i) {
+        unsigned* out = fixed_out;
+        unsigned* scratch = fixed_scratch;
+        if (allocs >= 1) CK(cudaMallocAsync((void**)&out, 4096 * sizeof(unsigned), s));
+        if (allocs >= 2) CK(cudaMallocAsync((void**)&scratch, 65536 * sizeof(unsigned), s));
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t a = {};
+        a.gridDim = dim3(128);
+        a.blockDim = dim3(128);
+        a.dynamicSmemBytes = smem;
+        a.stream = s;
+        a.attrs = attr;
+        a.numAttrs = i == 0 ? 0 : 1;
+        CK(cudaLaunchKernelEx(&a, partial_like, scratch, counters + i, body_ns));
+        cudaLaunchConfig_t b = {};
+        b.gridDim = dim3(32);
+        b.blockDim = dim3(128);
+        b.stream = s;
+        b.attrs = attr;
+        b.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&b, combine_like, (const unsigned*)scratch, out,
+                              (const unsigned*)(counters + i), 128u, 0));
+        if (allocs >= 2) CK(cudaFreeAsync(scratch, s));
+        if (allocs >= 1) CK(cudaFreeAsync(out, s));
+    }
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaGraphLaunch(exec, s));
+    std::vector<float> t;
+    for (int r = 0; r < 7; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(exec, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1000.f / chain);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaStreamDestroy(s));
+    CK(cudaFree(fixed_scratch));
+    CK(cudaFree(fixed_out));
+    CK(cudaFree(counters));
+    return t[t.size() / 2];
+}
+
+int main(int argc, char** argv) {
+    // `launch_probe allocs` runs only the last part.
+    const bool only_allocs = argc > 1 && strcmp(argv[1], "allocs") == 0;
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     for (int ctas : {64, 128, sms}) {
+        if (only_allocs) break;
         for (int smem : {0, 100 * 1024, 160 * 1024}) {
             for (unsigned body : {0u, 2000u, 5000u}) {
                 for (int pdl : {0, 1}) {
@@ -204,6 +278,7 @@ int main() {
     // The partial/combine pair: the combine waiting for the whole grid against waiting for an
     // arrival count.
     for (int smem : {0, 100 * 1024}) {
+        if (only_allocs) break;
         for (unsigned body : {0u, 2000u, 5000u}) {
             for (int by_count : {0, 1}) {
                 const float us = pair_period_us(smem, body, by_count, 200);
@@ -213,6 +288,16 @@ int main() {
                        us - body / 1000.0);
                 fflush(stdout);
             }
+        }
+    }
+    // The same pair with the op's allocations captured into the graph.
+    for (unsigned body : {0u, 2000u}) {
+        for (int allocs : {0, 1, 2}) {
+            const float us = alloc_pair_period_us(100 * 1024, body, allocs, 200);
+            printf("{\"pair\":1,\"allocs_per_call\":%d,\"body_us\":%.1f,\"period_us\":%.2f,"
+                   "\"overhead_us\":%.2f}\n",
+                   allocs, body / 1000.0, us, us - body / 1000.0);
+            fflush(stdout);
         }
     }
     return 0;

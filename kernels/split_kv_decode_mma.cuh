@@ -2,13 +2,14 @@
 //
 // One CTA per (split, kv head, batch), as in the CUDA-core kernel, or, for grids of more than one
 // wave, persistent CTAs that walk those work items. The same streaming shape either way: each of
-// the four warps owns a private cp.async ring and an interleaved share of the chunk's 16-row tiles,
+// the four warps owns a private cp.async ring and an interleaved share of the chunk's tiles,
 // so the main loop has no block-wide barrier; the warps merge once per item.
 //
 // The GQA group is the M dimension of `mma.m16n8k16`: the query heads of one kv head form a
-// 16-row A operand (heads past the group are zero), so a 16-row K tile costs D/16 × 2 MMAs for the
-// scores and D/8 MMAs for the values, whatever the group size. That moves the dot products off the
-// CUDA cores, which is what limits large groups there. Per tile and warp:
+// 16-row A operand (heads past the group are zero), so each 16 rows of K cost D/16 × 2 MMAs for
+// the scores and D/8 MMAs for the values, whatever the group size. That moves the dot products
+// off the CUDA cores, which is what limits large groups there. A tile is 16 rows (32 at D ≤ 64);
+// per 16 rows of it and warp:
 //   S (16 heads × 16 rows)  = Q (16 × D)  · Kᵀ   — K fragments by `ldmatrix`
 //   O (16 heads × D)       += P (16 × 16) · V    — V fragments by `ldmatrix.trans`
 // The score accumulator's layout is the A-operand layout of the second product, so P never
@@ -20,11 +21,15 @@
 #include "common.cuh"
 #include "warp_merge.cuh"
 
-// Bytes of K+V ring per warp: three 16-row stages at D = 128.
+// Bytes of K+V ring per warp: three 8 KiB stages at D = 128 (16 rows) and D = 64 (32 rows).
 constexpr int kMmaRingBytesPerWarp = 26 * 1024;
 
 template <int D, int GMAX> struct MmaTiling {
-    static constexpr int kRows = 16;
+    // Rows per tile: 16 (one m16n8k16 k-step of the value product), or 32 where a row is at most
+    // 128 bytes, so that a tile still carries 8 KiB of K+V and the loop's fixed work per tile
+    // (ring wait, copy issue, max shuffles, rescale) is paid per as many bytes as at D = 128.
+    static constexpr int kRows = D * 2 <= 128 ? 32 : 16;
+    static constexpr int kRowBlocks = kRows / 16;
     // The eight rows an `ldmatrix` phase reads must sit in distinct banks. Rows that are a
     // multiple of 128 bytes stay dense and permute their 16-byte pieces (XOR with row % 8); a
     // padded row would split each warp's cp.async into extra partial-sector L2 requests. Other
@@ -160,6 +165,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     using Cfg = MmaTiling<D, GMAX>;
     using TC = TensorCore<T>;
     constexpr int ROWS = Cfg::kRows;
+    constexpr int RB = Cfg::kRowBlocks;  // 16-row blocks per tile
     constexpr int ROW_BYTES = Cfg::kRowBytes;
     constexpr int STAGES = Cfg::kStages;
     constexpr int KSTEPS = D / 16;         // k-steps of the score product
@@ -273,56 +279,72 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 
             const unsigned char* stage = ring + (consumed % STAGES) * Cfg::kStageBytes;
             const int first = it.start + (warp + n * kWarps) * ROWS;
-            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            // s[rb][nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), tile row
+            // rb*16 + nt*8 + quad_col*2 + (j&1).
+            float s[RB][2][4];
 #pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                uint32_t kf[4];
-                ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(k_lane_row, ks * 2 + k_lane_piece));
-                TC::mma(s[0], q_frag[ks], kf[0], kf[1]);
-                TC::mma(s[1], q_frag[ks], kf[2], kf[3]);
+            for (int rb = 0; rb < RB; ++rb) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) s[rb][nt][j] = 0.f;
+#pragma unroll
+                for (int ks = 0; ks < KSTEPS; ++ks) {
+                    uint32_t kf[4];
+                    ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(rb * 16 + k_lane_row,
+                                                                 ks * 2 + k_lane_piece));
+                    TC::mma(s[rb][0], q_frag[ks], kf[0], kf[1]);
+                    TC::mma(s[rb][1], q_frag[ks], kf[2], kf[3]);
+                }
             }
 
-            // s[nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), row nt*8 + quad_col*2 + (j&1).
             const bool full = first + ROWS <= it.end;
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const bool valid = full || first + nt * 8 + quad_col * 2 + (j & 1) < it.end;
-                    s[nt][j] = valid ? s[nt][j] * p.scale_log2 : -INFINITY;
-                }
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const int row = first + rb * 16 + nt * 8 + quad_col * 2 + (j & 1);
+                        s[rb][nt][j] = full || row < it.end ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
+                    }
 
             float rescale[2] = {1.f, 1.f};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (h == 1 && !kUpper) break;
-                const float tile_max = quad_max(
-                    fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1])));
-                const float new_max = fmaxf(run_max[h], tile_max);  // finite: each tile has a valid row
+                float thread_max = -INFINITY;
+#pragma unroll
+                for (int rb = 0; rb < RB; ++rb)
+                    thread_max = fmaxf(thread_max, fmaxf(fmaxf(s[rb][0][2 * h], s[rb][0][2 * h + 1]),
+                                                         fmaxf(s[rb][1][2 * h], s[rb][1][2 * h + 1])));
+                const float new_max = fmaxf(run_max[h], quad_max(thread_max));  // finite: each tile has a valid row
                 rescale[h] = fast_exp2(run_max[h] - new_max);
                 run_max[h] = new_max;
             }
 
-            // P as the A fragment of the value product; the sum uses the rounded weights, so the
-            // output is an exact convex combination of the rows it weights.
-            uint32_t p_frag[4];
+            // P as the A fragments of the value product, one per 16-row block; the sum uses the
+            // rounded weights, so the output is an exact convex combination of the rows it weights.
+            // A fragment order: (head lo, k lo), (head hi, k lo), (head lo, k hi), (head hi, k hi).
+            uint32_t p_frag[RB][4];
             float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt)
+            for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (h == 1 && !kUpper) {
-                        p_frag[nt * 2 + h] = 0u;
-                        continue;
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (h == 1 && !kUpper) {
+                            p_frag[rb][nt * 2 + h] = 0u;
+                            continue;
+                        }
+                        const uint32_t packed =
+                            TC::pack(fast_exp2(s[rb][nt][2 * h] - run_max[h]),
+                                     fast_exp2(s[rb][nt][2 * h + 1] - run_max[h]));
+                        const float2 rounded = TC::unpack(packed);
+                        tile_sum[h] += rounded.x + rounded.y;
+                        p_frag[rb][nt * 2 + h] = packed;
                     }
-                    const uint32_t packed = TC::pack(fast_exp2(s[nt][2 * h] - run_max[h]),
-                                                     fast_exp2(s[nt][2 * h + 1] - run_max[h]));
-                    const float2 rounded = TC::unpack(packed);
-                    tile_sum[h] += rounded.x + rounded.y;
-                    p_frag[nt * 2 + h] = packed;
-                }
-            // A fragment order: (head lo, k lo), (head hi, k lo), (head lo, k hi), (head hi, k hi).
-            const uint32_t a[4] = {p_frag[0], p_frag[1], p_frag[2], p_frag[3]};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (h == 1 && !kUpper) break;
@@ -339,13 +361,16 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             }
 
 #pragma unroll
-            for (int pair = 0; pair < NTILES / 2; ++pair) {
-                uint32_t vf[4];
-                ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
-                                          piece_offset<D, GMAX>(v_lane_row, pair * 2 + v_lane_piece));
-                TC::mma(acc[2 * pair], a, vf[0], vf[1]);
-                TC::mma(acc[2 * pair + 1], a, vf[2], vf[3]);
-            }
+            for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+                for (int pair = 0; pair < NTILES / 2; ++pair) {
+                    uint32_t vf[4];
+                    ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
+                                              piece_offset<D, GMAX>(rb * 16 + v_lane_row,
+                                                                    pair * 2 + v_lane_piece));
+                    TC::mma(acc[2 * pair], p_frag[rb], vf[0], vf[1]);
+                    TC::mma(acc[2 * pair + 1], p_frag[rb], vf[2], vf[3]);
+                }
         }
 
         // Leave this warp's state in shared memory. One item per CTA: the merge area overlays

@@ -130,14 +130,15 @@ fn cuda_core_smem_bytes(head_dim: usize, elem_bytes: usize, gmax: usize) -> usiz
 /// `kPersistentSmemBytes` for the persistent form, in kernels/split_kv_decode_mma.cuh.
 fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usize {
     const RING_BYTES_PER_WARP: usize = 26 * 1024;
-    const ROWS: usize = 16;
+    // 32-row tiles where a row is at most 128 bytes, else 16.
+    let rows = if head_dim * 2 <= 128 { 32 } else { 16 };
     // Dense swizzled rows when a row is a multiple of 128 bytes, else a 16-byte pad.
     let row_bytes = if (head_dim * 2).is_multiple_of(128) {
         head_dim * 2
     } else {
         head_dim * 2 + 16
     };
-    let stage_bytes = 2 * ROWS * row_bytes;
+    let stage_bytes = 2 * rows * row_bytes;
     let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
     let ring = WARPS * stages * stage_bytes;
     if persistent {

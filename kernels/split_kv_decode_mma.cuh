@@ -169,6 +169,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     constexpr int ROW_BYTES = Cfg::kRowBytes;
     constexpr int STAGES = Cfg::kStages;
     constexpr int KSTEPS = D / 16;         // k-steps of the score product
+    // Two score accumulators per row block past four k-steps; not at D = 256, which already spills.
+    constexpr bool SPLIT_CHAINS = KSTEPS > 4 && D <= 128;
     constexpr int NTILES = D / 8;          // n-tiles of the value product
     constexpr int PIECES = D * 2 / 16;     // 16-byte pieces per row
     constexpr bool kUpper = GMAX > 8;      // heads 8..15 (the fragments' upper rows) exist
@@ -281,21 +283,30 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const int first = it.start + (warp + n * kWarps) * ROWS;
             // s[rb][nt][j]: head quad_row (j < 2) or quad_row + 8 (j >= 2), tile row
             // rb*16 + nt*8 + quad_col*2 + (j&1).
+            // Long k-step chains are split in two (even and odd k-steps, summed at the end) so
+            // that each dependent chain of MMAs is at most four long.
             float s[RB][2][4];
+            float s_odd[RB][2][4];
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb) {
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) s[rb][nt][j] = 0.f;
+                    for (int j = 0; j < 4; ++j) s[rb][nt][j] = s_odd[rb][nt][j] = 0.f;
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ++ks) {
                     uint32_t kf[4];
                     ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(rb * 16 + k_lane_row,
                                                                  ks * 2 + k_lane_piece));
-                    TC::mma(s[rb][0], q_frag[ks], kf[0], kf[1]);
-                    TC::mma(s[rb][1], q_frag[ks], kf[2], kf[3]);
+                    float (&chain)[2][4] = SPLIT_CHAINS && ks % 2 == 1 ? s_odd[rb] : s[rb];
+                    TC::mma(chain[0], q_frag[ks], kf[0], kf[1]);
+                    TC::mma(chain[1], q_frag[ks], kf[2], kf[3]);
                 }
+                if constexpr (SPLIT_CHAINS)
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) s[rb][nt][j] += s_odd[rb][nt][j];
             }
 
             const bool full = first + ROWS <= it.end;

@@ -120,6 +120,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
                  "r"(src_bytes));
 }
 
+// A full 16-byte copy to a shared-space address (from `__cvta_generic_to_shared`).
+__device__ __forceinline__ void cp_async16_to(unsigned dst, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {

@@ -195,10 +195,39 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 
     unsigned char* ring = smem + warp * STAGES * Cfg::kStageBytes;
     const long long k_row_bytes = p.k_seq_stride * 2, v_row_bytes = p.v_seq_stride * 2;
+
+    // Where a row's pieces divide a warp evenly, each lane copies the same pieces of every tile:
+    // rows lane_row + j * LANE_ROWS, piece lane_piece. Their source offsets within a tile and
+    // their ring offsets are then fixed per thread, so a full tile costs one address per tensor
+    // and an add per copy; the per-row clamping is left to a chunk's last, partial tile.
+    constexpr bool kLaneFixed = 32 % PIECES == 0 && ROWS * PIECES / 32 <= 8;
+    constexpr int LANE_ROWS = kLaneFixed ? 32 / PIECES : 1;
+    constexpr int PER_LANE = kLaneFixed ? ROWS * PIECES / 32 : 1;
+    const int lane_row = kLaneFixed ? lane / PIECES : 0, lane_piece = kLaneFixed ? lane % PIECES : 0;
+    const unsigned ring_shared = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+    int lane_dst[PER_LANE];
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j)
+        lane_dst[j] = piece_offset<D, GMAX>(lane_row + j * LANE_ROWS, lane_piece);
+    const long long k_lane = lane_row * k_row_bytes + lane_piece * 16;
+    const long long v_lane = lane_row * v_row_bytes + lane_piece * 16;
+
     auto load_tile = [&](int slot, const MmaItem& it, int n) {
+        const int first = it.start + (warp + n * kWarps) * ROWS;
+        if (kLaneFixed && first + ROWS <= it.end) {
+            const char* k_src = it.k + first * k_row_bytes + k_lane;
+            const char* v_src = it.v + first * v_row_bytes + v_lane;
+            const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
+            const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                cp_async16_to(k_dst + lane_dst[j], k_src + j * LANE_ROWS * k_row_bytes);
+                cp_async16_to(v_dst + lane_dst[j], v_src + j * LANE_ROWS * v_row_bytes);
+            }
+            return;
+        }
         unsigned char* k_s = ring + slot * Cfg::kStageBytes;
         unsigned char* v_s = k_s + ROWS * ROW_BYTES;
-        const int first = it.start + (warp + n * kWarps) * ROWS;
 #pragma unroll
         for (int i = lane; i < ROWS * PIECES; i += 32) {
             const int r = i / PIECES, c = i - r * PIECES;

@@ -34,6 +34,33 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+// Median over 7 replays of `graph` (after one warm-up replay) of the time per call, for a graph
+// of `chain` calls; destroys the graph.
+static float replay_us_per_call(cudaGraph_t graph, cudaStream_t s, int chain) {
+    cudaGraphExec_t exec;
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaGraphLaunch(exec, s));
+    std::vector<float> t;
+    for (int r = 0; r < 7; ++r) {
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(exec, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t.push_back(ms * 1000.f / chain);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    return t[t.size() / 2];
+}
+
 __global__ void step(unsigned* out, unsigned body_ns) {
     extern __shared__ unsigned char smem[];
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -52,8 +79,6 @@ static float period_us(int ctas, int smem, unsigned body_ns, bool pdl, int chain
                                 smem));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     for (int i = 0; i < chain; ++i) {
         cudaLaunchConfig_t cfg = {};
@@ -68,28 +93,12 @@ static float period_us(int ctas, int smem, unsigned body_ns, bool pdl, int chain
         cfg.numAttrs = pdl ? 1 : 0;
         CK(cudaLaunchKernelEx(&cfg, step, out, body_ns));
     }
+    cudaGraph_t graph;
     CK(cudaStreamEndCapture(s, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaGraphLaunch(exec, s));
-    std::vector<float> t;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms * 1000.f / chain);
-    }
-    std::sort(t.begin(), t.end());
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
+    const float us = replay_us_per_call(graph, s, chain);
     CK(cudaStreamDestroy(s));
     CK(cudaFree(out));
-    return t[t.size() / 2];
+    return us;
 }
 
 // A partial-pass stand-in: spins, writes a word, then counts itself done on `arrivals`.
@@ -125,72 +134,11 @@ __global__ void combine_like(const unsigned* in, unsigned* out, const unsigned* 
 }
 
 // Period of one (partial_like, combine_like) pair in a graph of `chain` pairs, both launched as
-// programmatic dependents; each pair counts on its own zeroed counter.
-static float pair_period_us(int smem, unsigned body_ns, int by_count, int chain) {
-    unsigned *buf, *out, *counters;
-    CK(cudaMalloc(&buf, 4096 * sizeof(unsigned)));
-    CK(cudaMalloc(&out, 4096 * sizeof(unsigned)));
-    CK(cudaMalloc(&counters, chain * sizeof(unsigned)));
-    if (smem > 48 * 1024)
-        CK(cudaFuncSetAttribute((const void*)partial_like,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cudaStream_t s;
-    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    CK(cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), s));
-    for (int i = 0; i < chain; ++i) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t a = {};
-        a.gridDim = dim3(128);
-        a.blockDim = dim3(128);
-        a.dynamicSmemBytes = smem;
-        a.stream = s;
-        a.attrs = attr;
-        a.numAttrs = i == 0 ? 0 : 1;
-        CK(cudaLaunchKernelEx(&a, partial_like, buf, counters + i, body_ns));
-        cudaLaunchConfig_t b = {};
-        b.gridDim = dim3(32);
-        b.blockDim = dim3(128);
-        b.stream = s;
-        b.attrs = attr;
-        b.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&b, combine_like, (const unsigned*)buf, out,
-                              (const unsigned*)(counters + i), 128u, by_count));
-    }
-    CK(cudaStreamEndCapture(s, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaGraphLaunch(exec, s));
-    std::vector<float> t;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms * 1000.f / chain);
-    }
-    std::sort(t.begin(), t.end());
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    CK(cudaStreamDestroy(s));
-    CK(cudaFree(buf));
-    CK(cudaFree(out));
-    CK(cudaFree(counters));
-    return t[t.size() / 2];
-}
-
-// Period of one pair when each call also allocates what the op allocates, as stream-ordered
-// allocations captured into the graph: `allocs` = 0 (none), 1 (the output), 2 (output and
-// split scratch); each is freed after the combine, as a tensor dropped after the call is.
-static float alloc_pair_period_us(int smem, unsigned body_ns, int allocs, int chain) {
+// programmatic dependents; each pair counts on its own zeroed counter. With `allocs` = 1 or 2 each
+// pair also allocates, as stream-ordered allocations captured into the graph, what the op does
+// (the output; the output and the split scratch) and frees them after the combine, as a tensor
+// dropped after the call is.
+static float pair_period_us(int smem, unsigned body_ns, int by_count, int allocs, int chain) {
     unsigned *fixed_scratch, *fixed_out, *counters;
     CK(cudaMalloc(&fixed_scratch, 65536 * sizeof(unsigned)));
     CK(cudaMalloc(&fixed_out, 4096 * sizeof(unsigned)));
@@ -200,9 +148,8 @@ static float alloc_pair_period_us(int smem, unsigned body_ns, int allocs, int ch
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    CK(cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), s));
     for (int i = 0; i < chain; ++i) {
         unsigned* out = fixed_out;
         unsigned* scratch = fixed_scratch;
@@ -226,34 +173,18 @@ static float alloc_pair_period_us(int smem, unsigned body_ns, int allocs, int ch
         b.attrs = attr;
         b.numAttrs = 1;
         CK(cudaLaunchKernelEx(&b, combine_like, (const unsigned*)scratch, out,
-                              (const unsigned*)(counters + i), 128u, 0));
+                              (const unsigned*)(counters + i), 128u, by_count));
         if (allocs >= 2) CK(cudaFreeAsync(scratch, s));
         if (allocs >= 1) CK(cudaFreeAsync(out, s));
     }
+    cudaGraph_t graph;
     CK(cudaStreamEndCapture(s, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    CK(cudaGraphLaunch(exec, s));
-    std::vector<float> t;
-    for (int r = 0; r < 7; ++r) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t.push_back(ms * 1000.f / chain);
-    }
-    std::sort(t.begin(), t.end());
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
+    const float us = replay_us_per_call(graph, s, chain);
     CK(cudaStreamDestroy(s));
     CK(cudaFree(fixed_scratch));
     CK(cudaFree(fixed_out));
     CK(cudaFree(counters));
-    return t[t.size() / 2];
+    return us;
 }
 
 int main(int argc, char** argv) {
@@ -281,7 +212,7 @@ int main(int argc, char** argv) {
         if (only_allocs) break;
         for (unsigned body : {0u, 2000u, 5000u}) {
             for (int by_count : {0, 1}) {
-                const float us = pair_period_us(smem, body, by_count, 200);
+                const float us = pair_period_us(smem, body, by_count, 0, 200);
                 printf("{\"pair\":1,\"smem_kib\":%d,\"body_us\":%.1f,\"combine_waits_on\":\"%s\","
                        "\"period_us\":%.2f,\"overhead_us\":%.2f}\n",
                        smem / 1024, body / 1000.0, by_count ? "count" : "grid", us,
@@ -293,7 +224,7 @@ int main(int argc, char** argv) {
     // The same pair with the op's allocations captured into the graph.
     for (unsigned body : {0u, 2000u}) {
         for (int allocs : {0, 1, 2}) {
-            const float us = alloc_pair_period_us(100 * 1024, body, allocs, 200);
+            const float us = pair_period_us(100 * 1024, body, 0, allocs, 200);
             printf("{\"pair\":1,\"allocs_per_call\":%d,\"body_us\":%.1f,\"period_us\":%.2f,"
                    "\"overhead_us\":%.2f}\n",
                    allocs, body / 1000.0, us, us - body / 1000.0);

@@ -125,6 +125,29 @@ __device__ __forceinline__ void cp_async16_to(unsigned dst, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
 }
 
+// An L2 policy for data read once, such as the K/V stream: its lines are the first evicted, so
+// the stream does not push out the kernel's code, the query or the split scratch.
+__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
+    unsigned long long policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
+
+// `cp_async16` and `cp_async16_to` with an L2 cache policy.
+__device__ __forceinline__ void cp_async16_hint(void* smem, const void* gmem, bool valid,
+                                                unsigned long long policy) {
+    unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(gmem), "r"(src_bytes), "l"(policy));
+}
+
+__device__ __forceinline__ void cp_async16_to_hint(unsigned dst, const void* gmem,
+                                                   unsigned long long policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(gmem), "l"(policy));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {

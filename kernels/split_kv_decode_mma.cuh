@@ -237,8 +237,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const bool valid = first + r < it.end;
             const long long pos = valid ? first + r : it.start;  // never past the end
             const int dst = piece_offset<D, GMAX>(r, c);
-            cp_async16_hint(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid, stream_policy);
-            cp_async16_hint(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid, stream_policy);
+            cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
+            cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
         }
     };
 

@@ -11,19 +11,27 @@ struct DecodeParams {
     const void* q;
     const void* k;
     const void* v;
-    void* out;              // (b, h_q, d) in the input dtype; written by the partial pass when
-                            // num_splits == 1 or merge_in_cluster, else by the combine pass
+    void* out;              // (b, h_q, d) in the input dtype; written by the partial pass unless
+                            // merge == kMergeByCombinePass
     float* lse_out;         // (b, h_q) natural log, or null when not wanted
-    float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs (combine pass)
-    float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps (combine pass)
+    float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs (merges through memory)
+    float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps (merges through memory)
     const uint32_t* seqlens;  // (b,) or null
+    unsigned* split_counters;  // (b, h_kv) arrival counters, all 0 between launches (kMergeByLastCta)
     long long q_batch_stride, q_head_stride;
     long long k_batch_stride, k_seq_stride, k_head_stride;
     long long v_batch_stride, v_seq_stride, v_head_stride;
     int batch, q_heads, kv_heads, kv_len;
     int num_splits, chunk_size;
     float scale_log2;       // softmax_scale * log2(e)
-    int merge_in_cluster;   // 1: the splits of each (b, kv head) are one cluster and merge there
+    int merge;              // how the splits of each (b, kv head) are merged: SplitMerge
+};
+
+// Must match `SplitMerge` in src/cuda.rs. With one split the partial pass writes the output.
+enum SplitMerge : int {
+    kMergeByCombinePass = 0,  // a second grid (kernels/combine.cu)
+    kMergeInCluster = 1,      // the splits are one cluster (kernels/cluster_merge.cuh)
+    kMergeByLastCta = 2,      // the last split to finish (kernels/last_split_merge.cuh)
 };
 
 // Must match `CombineParams` in src/cuda.rs.

@@ -19,6 +19,7 @@
 
 #include "cluster_merge.cuh"
 #include "common.cuh"
+#include "last_split_merge.cuh"
 #include "warp_merge.cuh"
 
 // Bytes of K+V ring per warp: three 8 KiB stages at D = 128 (16 rows) and D = 64 (32 rows).
@@ -158,7 +159,10 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
 // ring streams on across item boundaries, so the next item's first tiles are in flight while
 // this one is merged and stored (multi-wave grids otherwise pay a ramp per CTA). Otherwise one
 // item per CTA, at (blockIdx.x, blockIdx.y, blockIdx.z) = (split, kv head, batch).
-template <typename T, int D, int GMAX, bool PERSISTENT>
+// LAST_CTA_MERGE (one item per CTA only): the splits of each (batch, kv head) merge in the CTA
+// that finishes last (kernels/last_split_merge.cuh), a form of its own so that the other forms'
+// code is not shaped around that merge's registers.
+template <typename T, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
@@ -176,8 +180,11 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     constexpr bool kUpper = GMAX > 8;      // heads 8..15 (the fragments' upper rows) exist
     constexpr int SMEM = PERSISTENT ? Cfg::kPersistentSmemBytes : Cfg::kSmemBytes;
 
+    static_assert(!(PERSISTENT && LAST_CTA_MERGE), "the persistent form merges splits in the combine pass");
+
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)SMEM) __trap();
+    if (LAST_CTA_MERGE && (p.merge != kMergeByLastCta || p.split_counters == nullptr)) __trap();
     allow_dependent_launch();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -451,27 +458,37 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         if constexpr (PERSISTENT) {
             merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, nullptr);
             __syncthreads();  // the next item's merge reuses the area
+        } else if constexpr (LAST_CTA_MERGE) {
+            merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, nullptr);
+            merge_splits_if_last<T, D>(p, group, it.kv_head, it.b);
         } else {
-            float* result = p.merge_in_cluster
+            const bool cluster = p.num_splits > 1 && p.merge == kMergeInCluster;
+            float* result = cluster
                 ? reinterpret_cast<float*>(smem + merge_smem_bytes<D, GMAX>())
                 : nullptr;
             merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, result);
-            if (p.merge_in_cluster)
-                merge_across_cluster<T, D, GMAX>(p, result, group, it.kv_head, it.b);
+            if (cluster) merge_across_cluster<T, D, GMAX>(p, result, group, it.kv_head, it.b);
         }
     }
 }
 
 // GMAX 8 covers groups 1..8 with the upper fragment rows unused; GMAX 16 covers 9..16. Each
-// comes in both forms, one item per CTA and persistent (suffix `_persistent`).
-#define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                   \
-    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(            \
-        const DecodeParams p) {                                                               \
-        decode_partial_mma<T, D, GMAX, false>(p);                                             \
-    }                                                                                         \
-    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX##_persistent( \
-        const DecodeParams p) {                                                               \
-        decode_partial_mma<T, D, GMAX, true>(p);                                              \
+// comes in three forms: one item per CTA, persistent (suffix `_persistent`), and one item per CTA
+// merging in the last CTA (suffix `_last_cta`). Two CTAs per SM is what the ring's shared memory
+// allows; saying so for the last form lets the compiler keep its merge's loads in flight in
+// registers (without it, it spilled at d 128).
+#define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                        \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(                  \
+        const DecodeParams p) {                                                                    \
+        decode_partial_mma<T, D, GMAX, false, false>(p);                                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX##_persistent(     \
+        const DecodeParams p) {                                                                    \
+        decode_partial_mma<T, D, GMAX, true, false>(p);                                            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) NAME##_d##D##_g##GMAX##_last_cta(    \
+        const DecodeParams p) {                                                                    \
+        decode_partial_mma<T, D, GMAX, false, true>(p);                                            \
     }
 
 #define DECODE_MMA_DIMS(NAME, T)          \

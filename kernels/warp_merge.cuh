@@ -2,7 +2,7 @@
 // online-softmax state (unnormalised output row, running max, running sum, all base 2) for each
 // query head in shared memory; this merges the warps and writes the final output (one split), the
 // split's normalised output and LSE to shared memory for a merge across the cluster, or both to
-// the scratch buffers of the combine pass.
+// the scratch buffers of a merge through memory (the combine pass or the last CTA).
 #pragma once
 
 #include "common.cuh"

@@ -13,6 +13,7 @@ use crate::cuda_launch::{
 };
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
+use crate::split_counters::{split_counters, SPLIT_COUNTERS};
 use crate::validate::{self, DecodeDims, RowStrides};
 
 const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
@@ -55,6 +56,7 @@ struct DecodeParams {
     partial_out: u64,
     partial_lse: u64,
     seqlens: u64,
+    split_counters: u64,
     q_batch_stride: i64,
     q_head_stride: i64,
     k_batch_stride: i64,
@@ -70,11 +72,30 @@ struct DecodeParams {
     num_splits: i32,
     chunk_size: i32,
     scale_log2: f32,
-    merge_in_cluster: i32,
+    merge: SplitMerge,
+}
+
+/// How the splits of each (batch, kv head) are merged; must match `SplitMerge` in
+/// kernels/common.cuh. Irrelevant with one split, where the partial pass writes the output.
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SplitMerge {
+    /// A second grid, the combine kernel.
+    CombinePass = 0,
+    /// The splits are one thread-block cluster and merge through distributed shared memory.
+    InCluster = 1,
+    /// The last CTA of the group to finish merges, counted on the split counters.
+    ByLastCta = 2,
 }
 
 // SAFETY: plain-old-data with the C layout the kernels expect.
 unsafe impl DeviceRepr for DecodeParams {}
+
+/// Most bytes of partial outputs and LSEs that the last CTA of a (batch, kv head) reads back to
+/// merge its splits; more go through the combine pass, which spreads the reads over a CTA per
+/// query head (H200, bf16, b = 1, 32/8, d 128, 16 splits: 33 KB, 4K 9.0 → 8.3 µs; 64/8 at 66 KB
+/// was no faster than the combine pass).
+const LAST_CTA_MERGE_BYTES: usize = 64 * 1024;
 
 /// Launch parameters of the combine kernel; must match `CombineParams` in kernels/common.cuh.
 #[repr(C)]
@@ -241,6 +262,8 @@ struct DecodeKernel {
     persistent: bool,
     name: String,
     func: CudaFunction,
+    /// The PTX module holding `func` and its other forms.
+    module: (&'static str, &'static str),
     smem_bytes: usize,
     /// CTAs the split plan aims for.
     parallel_slots: usize,
@@ -287,10 +310,23 @@ impl DecodeKernel {
             persistent,
             name,
             func,
+            module: (module, ptx),
             smem_bytes,
             parallel_slots,
             resident: residency.total(),
         })
+    }
+
+    /// The form of this one-item tensor-core kernel whose last CTA per (batch, kv head) merges
+    /// the splits (suffix `_last_cta` in kernels/split_kv_decode_mma.cuh), with the same shared
+    /// memory.
+    fn last_cta_merge_form(&self, dev: &CudaDevice) -> Result<CudaFunction> {
+        let name = format!("{}_last_cta", self.name);
+        let (module, ptx) = self.module;
+        let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
+        // Raises the form's shared-memory limit on first use; cached afterwards.
+        resident_ctas(dev, &name, &func, DECODE_THREADS, self.smem_bytes)?;
+        Ok(func)
     }
 }
 
@@ -456,7 +492,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     }
 
     let (kernel, plan) = prepare(op, &dev, q.dtype(), &dims)?;
-    let (decode, smem) = (&kernel.func, kernel.smem_bytes);
+    let smem = kernel.smem_bytes;
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
     let items = plan.num_splits * dims.batch * dims.kv_heads;
@@ -479,22 +515,46 @@ fn launch<T: CudaDType + DeviceRepr>(
         Some((size, cluster_cfg)) => (Some(size), cluster_cfg),
         None => (None, cfg),
     };
-    let combine_pass = plan.num_splits > 1 && cluster.is_none();
+    // The last CTA of each group merges where the group's partials are few enough for one SM to
+    // read quickly; the persistent and CUDA-core kernels, and plans beyond the counters, merge in
+    // the combine pass.
+    let group_partial_bytes = dims.group_size() * plan.num_splits * (dims.head_dim + 1) * 4;
+    let counters = if plan.num_splits > 1
+        && cluster.is_none()
+        && kernel.family == CudaKernel::TensorCore
+        && !kernel.persistent
+        && units <= SPLIT_COUNTERS
+        && group_partial_bytes <= LAST_CTA_MERGE_BYTES
+    {
+        split_counters(&dev)?
+    } else {
+        None
+    };
+    let merge = match (cluster, counters) {
+        (Some(_), _) => SplitMerge::InCluster,
+        (None, Some(_)) => SplitMerge::ByLastCta,
+        (None, None) => SplitMerge::CombinePass,
+    };
+    let combine_pass = plan.num_splits > 1 && merge == SplitMerge::CombinePass;
+    let decode = match merge {
+        SplitMerge::ByLastCta => kernel.last_cta_merge_form(&dev)?,
+        _ => kernel.func.clone(),
+    };
 
     let rows = dims.batch * dims.q_heads;
     // Every allocation is a node in a captured graph, so allocate only what this call needs: the
     // LSE when the caller asked for it, and one scratch buffer (partial outputs, then their LSEs)
-    // when a combine pass merges the splits.
+    // when the splits merge through memory (the combine pass or the last CTA).
     // SAFETY (all three): every element is written by the partial kernel (one split, or a
-    // cluster merge) or the combine kernel before anything reads it; the tests poison them to
-    // prove it.
+    // cluster or last-CTA merge) or the combine kernel before anything reads it; the tests
+    // poison them to prove it.
     let out = unsafe { dev.alloc::<T>(rows * dims.head_dim)? };
     let lse = if op.wants_lse() {
         Some(unsafe { dev.alloc::<f32>(rows)? })
     } else {
         None
     };
-    let scratch = if combine_pass {
+    let scratch = if plan.num_splits > 1 && merge != SplitMerge::InCluster {
         Some(unsafe { dev.alloc::<f32>(rows * plan.num_splits * (dims.head_dim + 1))? })
     } else {
         None
@@ -539,6 +599,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         partial_out: partial_out_ptr,
         partial_lse: partial_lse_ptr,
         seqlens: seqlens_ptr,
+        split_counters: counters.unwrap_or(0),
         q_batch_stride: q_strides.batch as i64,
         q_head_stride: q_strides.head as i64,
         k_batch_stride: k_strides.batch as i64,
@@ -554,12 +615,13 @@ fn launch<T: CudaDType + DeviceRepr>(
         num_splits: plan.num_splits as i32,
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
         scale_log2: op.softmax_scale * std::f32::consts::LOG2_E,
-        merge_in_cluster: cluster.is_some() as i32,
+        merge,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
-    // `batch` entries, and writes only the buffers allocated above, sized for this launch; it
-    // touches global memory only after its launch dependency resolves.
-    unsafe { launch_dependent(decode, &dev, cfg, cluster, &params)? };
+    // `batch` entries, and writes only the buffers allocated above, sized for this launch, and
+    // (last-CTA merge) the first `units` split counters, which it leaves at zero; it touches
+    // global memory only after its launch dependency resolves.
+    unsafe { launch_dependent(&decode, &dev, cfg, cluster, &params)? };
 
     if combine_pass {
         let combine = dev.get_or_load_custom_func(

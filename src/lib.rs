@@ -36,6 +36,8 @@ pub mod fused_linear;
 pub mod models;
 mod op;
 pub mod plan;
+#[cfg(feature = "cuda")]
+mod split_counters;
 mod validate;
 
 use candle_core::{Result, Tensor};

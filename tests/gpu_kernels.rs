@@ -416,9 +416,11 @@ fn gpu_matches_cpu_op() -> Result<()> {
     Ok(())
 }
 
-/// The op captured into a CUDA graph as the first call on a fresh device (kernel setup, scratch
-/// allocation and the combine launch all inside the capture): the replayed graph must give the
-/// right answer.
+/// The op captured into a CUDA graph as the first calls on a fresh device (kernel setup, scratch
+/// allocation and the merge launches all inside the capture): a cluster merge (7 splits), and 20
+/// splits, which merge in the combine pass because the split counters cannot be allocated inside
+/// a capture. After an eager call has allocated them, a second capture merges by the last CTA.
+/// Every replayed graph must give the right answer.
 #[cfg(feature = "cuda")]
 #[test]
 fn gpu_first_call_in_graph_capture() -> Result<()> {
@@ -441,21 +443,69 @@ fn gpu_first_call_in_graph_capture() -> Result<()> {
     let (q, k, v) = common::random_qkv(&case, &dev)?;
     let want = reference(&q, &k, &v, case.scale(), None)?;
     let stream = cuda.cuda_stream();
-    stream.synchronize().w()?;
-    stream
-        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .w()?;
-    let out = poisoned(case.scale())
-        .with_num_splits(Some(7))
-        .forward(&q, &k, &v);
-    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w()?;
-    let out = out?;
-    let Some(graph) = graph else {
-        panic!("the capture recorded no work")
+    let run = |splits: usize| {
+        poisoned(case.scale())
+            .with_num_splits(Some(splits))
+            .forward(&q, &k, &v)
     };
-    graph.launch().w()?;
-    stream.synchronize().w()?;
-    assert_close("first call in capture", &out, &want.out, case.dtype)
+    let captured = |splits: usize, what: &str| -> Result<()> {
+        stream.synchronize().w()?;
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .w()?;
+        let out = run(splits);
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w()?;
+        let out = out?;
+        let Some(graph) = graph else {
+            panic!("the capture recorded no work ({what})")
+        };
+        // The graph owns the output's allocation, so it launches once.
+        graph.launch().w()?;
+        stream.synchronize().w()?;
+        assert_close(what, &out, &want.out, case.dtype)
+    };
+    captured(7, "first call in capture, cluster merge")?;
+    captured(20, "first call in capture, 20 splits")?;
+    assert_close("eager, 20 splits", &run(20)?, &want.out, case.dtype)?;
+    captured(20, "capture after an eager call, 20 splits")
+}
+
+/// The last CTA of each (batch, kv head) resets its arrival counter, so calls of other shapes and
+/// split counts that reuse the counters right after must merge correctly, every time.
+#[test]
+fn gpu_last_cta_merge_back_to_back() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shapes = [
+        (1, 32, 8, 20),
+        (3, 10, 5, 17),
+        (1, 32, 8, 33),
+        (2, 8, 2, 129),
+        (3, 10, 5, 40),
+    ];
+    let mut count = 0;
+    for round in 0..2 {
+        for (b, h_q, h_kv, splits) in shapes {
+            let case = Case {
+                b,
+                h_q,
+                h_kv,
+                d: 64,
+                l: 9000,
+                dtype: DType::F16,
+            };
+            let (q, k, v) = common::random_qkv(&case, &dev)?;
+            let want = reference(&q, &k, &v, case.scale(), None)?;
+            let (out, lse) = poisoned(case.scale())
+                .with_num_splits(Some(splits))
+                .forward_with_lse(&q, &k, &v)?;
+            let what = format!("round {round}, {case:?}, {splits} splits");
+            assert_close(&what, &out, &want.out, case.dtype)?;
+            assert_lse_close(&what, &lse, &want.lse, case.dtype)?;
+            count += 1;
+        }
+    }
+    println!("gpu_last_cta_merge_back_to_back: {count} calls merged correctly");
+    Ok(())
 }
 
 #[test]

@@ -1,0 +1,82 @@
+// The merge of a (batch, kv head)'s splits by the last of its CTAs to finish, for split plans
+// whose clusters would not all be resident: no second grid and no boundary between grids.
+//
+// Every CTA of the group writes its normalised partial output and LSE to the scratch buffers
+// (merge_warps_and_store), makes them visible device-wide and counts itself on the group's arrival
+// counter. The CTA that brings the count to `num_splits` reads all the partials back from L2 and
+// writes the output; it also resets the counter, which the next launch reads only after its
+// grid-dependency wait, when this grid has completed.
+#pragma once
+
+#include "common.cuh"
+
+// Splits whose partials one thread has in flight at once: 16 covers the plans' usual split
+// counts in one round trip from L2.
+constexpr int kLastMergeBatch = 16;
+
+// Returns on every CTA; only the last one of its group writes anything.
+template <typename T, int D>
+__device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int group, int kv_head,
+                                                     int b) {
+    // The barrier orders every thread's partial stores before thread 0's fence, which publishes
+    // them device-wide before the arrival is counted (a release by one thread for the CTA).
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        unsigned* counter = p.split_counters + (long long)b * p.kv_heads + kv_head;
+        __threadfence();
+        last = atomicAdd(counter, 1u) + 1 == (unsigned)p.num_splits;
+        if (last) {
+            atomicExch(counter, 0u);  // every split has arrived: ready for the next launch
+            __threadfence();          // the other splits' partials, after their arrivals
+        }
+    }
+    if (!__syncthreads_or(last)) return;
+
+    constexpr int QUADS = D / 4;  // four-column groups per head
+    const int splits = p.num_splits;
+    for (int i = threadIdx.x; i < group * QUADS; i += kThreads) {
+        const int g = i / QUADS, quad = i - g * QUADS;
+        const long long row = (long long)b * p.q_heads + kv_head * group + g;
+        // L2 reads (ld.global.cg): the partials were written by other SMs.
+        const float* lse = p.partial_lse + row * splits;
+        const float4* partial = reinterpret_cast<const float4*>(p.partial_out + row * splits * D);
+        // A running max, sum and weighted slice, folded a batch at a time: the batch's loads all
+        // in flight together, then one max and independent weights for the whole batch.
+        float max = -INFINITY, sum = 0.f;
+        float4 acc = {0.f, 0.f, 0.f, 0.f};
+        for (int first = 0; first < splits; first += kLastMergeBatch) {
+            float l[kLastMergeBatch];
+            float4 x[kLastMergeBatch];
+#pragma unroll
+            for (int j = 0; j < kLastMergeBatch; ++j) {
+                const int s = first + j;
+                l[j] = s < splits ? __ldcg(lse + s) : -INFINITY;
+                x[j] = s < splits ? __ldcg(partial + (long long)s * QUADS + quad)
+                                  : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            float new_max = max;
+#pragma unroll
+            for (int j = 0; j < kLastMergeBatch; ++j) new_max = fmaxf(new_max, l[j]);
+            if (new_max == -INFINITY) continue;  // nothing with weight yet
+            const float rescale = fast_exp2(max - new_max);  // 0 when max was -inf
+            sum *= rescale;
+            acc = make_float4(acc.x * rescale, acc.y * rescale, acc.z * rescale, acc.w * rescale);
+#pragma unroll
+            for (int j = 0; j < kLastMergeBatch; ++j) {
+                const float w = fast_exp2(l[j] - new_max);  // 0 for a split with lse = -inf
+                sum += w;
+                acc.x = fmaf(w, x[j].x, acc.x);
+                acc.y = fmaf(w, x[j].y, acc.y);
+                acc.z = fmaf(w, x[j].z, acc.z);
+                acc.w = fmaf(w, x[j].w, acc.w);
+            }
+            max = new_max;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        store4(static_cast<T*>(p.out) + row * D + quad * 4,
+               make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+        if (quad == 0 && p.lse_out != nullptr)
+            p.lse_out[row] = sum > 0.f ? (max + __log2f(sum)) * kLn2 : -INFINITY;
+    }
+}

@@ -3,8 +3,9 @@
 //! written their partials so that the last one can merge them.
 //!
 //! The kernel resets every counter it uses before its grid completes, so the buffer stays zero
-//! between launches and is allocated and zeroed once per device, then kept for the life of the
-//! process: a captured graph may hold its address.
+//! between launches and is allocated and zeroed once per device, then kept (16 KiB, and with it a
+//! reference to the device's stream) for the life of the process: a captured graph may hold its
+//! address.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};

@@ -497,7 +497,8 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     let grid_dim = if kernel.persistent {
-        (items.min(kernel.resident) as u32, 1, 1)
+        let ctas = crate::plan::persistent_ctas(items, kernel.resident);
+        (ctas as u32, 1, 1)
     } else {
         (
             plan.num_splits as u32,

@@ -76,6 +76,15 @@ pub fn aligned(seq_len: usize, splits: usize) -> SplitPlan {
     chunked(seq_len, splits.max(1), CHUNK_ALIGN)
 }
 
+/// CTAs of a persistent grid walking `items` work items on at most `resident` slots: as few
+/// rounds of items as the slots allow, then as few CTAs as those rounds need, so that every CTA
+/// walks the same number of items or one fewer (512 items on 264 slots: 256 CTAs of two items,
+/// rather than 264 of which 16 walk one while the rest wait on their second).
+pub fn persistent_ctas(items: usize, resident: usize) -> usize {
+    let rounds = items.div_ceil(resident.max(1)).max(1);
+    items.div_ceil(rounds)
+}
+
 fn chunked(seq_len: usize, wanted_splits: usize, min_chunk: usize) -> SplitPlan {
     let chunk = seq_len.div_ceil(wanted_splits).max(min_chunk);
     let chunk_size = chunk.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
@@ -196,6 +205,28 @@ mod tests {
                         covers(plan(b, h, l, slots), l);
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn persistent_grids_balance_their_rounds() {
+        assert_eq!(persistent_ctas(512, 264), 256);
+        assert_eq!(persistent_ctas(512, 132), 128);
+        assert_eq!(persistent_ctas(2048, 132), 128);
+        assert_eq!(persistent_ctas(100, 132), 100);
+        assert_eq!(persistent_ctas(0, 132), 0);
+        for items in 1..2000 {
+            for resident in [1, 7, 132, 264] {
+                let ctas = persistent_ctas(items, resident);
+                assert!(
+                    ctas >= 1 && ctas <= resident.min(items),
+                    "{items} on {resident}"
+                );
+                // The same rounds as the widest grid, and no CTA idle in the last round but one.
+                let rounds = items.div_ceil(resident);
+                assert_eq!(items.div_ceil(ctas), rounds, "{items} on {resident}");
+                assert!(items > (rounds - 1) * ctas, "{items} on {resident}");
             }
         }
     }

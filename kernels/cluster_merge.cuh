@@ -1,8 +1,9 @@
 // The merge of a (batch, kv head)'s splits without a combine pass (sm_90). The host launches the
-// splits of each (batch, kv head) as one thread-block cluster; each CTA leaves its normalised
-// output and base-2 LSE per query head in its own shared memory, and after a cluster barrier the
-// CTAs read each other's results through distributed shared memory, each finishing a slice of
-// the outputs. No scratch round trip through L2 and no second grid.
+// splits of each (batch, kv head) as one thread-block cluster. Each output slice (four columns
+// of one head) has an owner CTA; every CTA pushes its normalised slices and its LSEs into the
+// owners' shared memory (distributed shared memory stores, which need no reply), one cluster
+// barrier makes them visible, and each owner merges its slices from local shared memory. No
+// scratch round trip through L2, no second grid, and no remote loads or closing barrier.
 #pragma once
 
 #include "common.cuh"
@@ -10,12 +11,33 @@
 // Largest cluster the host asks for (the non-portable H100/H200 limit); src/cuda.rs MAX_CLUSTER.
 constexpr int kMaxCluster = 16;
 
-// Every thread of every CTA of the cluster arrives, then waits for all the others; shared-memory
-// writes before it are visible to the whole cluster after it.
-__device__ __forceinline__ void cluster_sync() {
+// The receive area of a CTA: the slices pushed to it, [source][slot] float4s with
+// ceil(group * D / 4 / splits) slots per source, then every source's LSEs, [source][head].
+template <int D, int GMAX> __host__ __device__ constexpr int cluster_slice_bytes() {
+    return (GMAX * D / 4 + kMaxCluster) * 16;
+}
+template <int D, int GMAX> __host__ __device__ constexpr int cluster_receive_bytes() {
+    return cluster_slice_bytes<D, GMAX>() + kMaxCluster * GMAX * (int)sizeof(float);
+}
+
+// The cluster barrier in two halves. `cluster_arrive` with release semantics publishes this
+// thread's distributed-shared-memory stores; `cluster_wait` returns once every thread of every
+// CTA of the cluster has arrived, with acquire semantics.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #endif
 }
 
@@ -25,14 +47,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
 #endif
     return r;
-}
-
-__device__ __forceinline__ unsigned cluster_size() {
-    unsigned n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-    return n;
 }
 
 // The same shared-memory address in cluster CTA `rank`.
@@ -45,50 +59,66 @@ __device__ __forceinline__ unsigned cluster_address(const void* local, unsigned 
     return remote;
 }
 
-__device__ __forceinline__ float load_from_cluster(unsigned remote) {
-    float v = 0.f;
+__device__ __forceinline__ void store_to_cluster(unsigned remote, float x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
 #endif
-    return v;
 }
 
-__device__ __forceinline__ float4 load4_from_cluster(unsigned remote) {
-    float4 v = {0.f, 0.f, 0.f, 0.f};
+__device__ __forceinline__ void store4_to_cluster(unsigned remote, float4 x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(remote)
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(x.x),
+                 "f"(x.y), "f"(x.z), "f"(x.w)
                  : "memory");
 #endif
-    return v;
 }
 
-// Merges W (1 or 4) consecutive output columns of one head per thread. `result` holds each
-// CTA's [head][D] outputs and [head] LSEs (merge_warps_and_store). Single columns are dealt
-// rank-major, so the first CTAs' threads are all busy; groups of four round-robin over the CTAs,
-// so every SM of the cluster shares the distributed-shared-memory reads.
-template <typename T, int D, int GMAX, int W>
-__device__ __forceinline__ void merge_cluster_columns(const DecodeParams& p, const float* result,
-                                                      int group, int kv_head, int b,
-                                                      unsigned rank, int splits) {
-    static_assert(W == 1 || W == 4, "one or four columns per thread");
-    constexpr int PER_HEAD = D / W;
-    const int first = W == 1 ? rank * kThreads + threadIdx.x : threadIdx.x * splits + rank;
-    for (int i = first; i < group * PER_HEAD; i += kThreads * splits) {
-        const int g = i / PER_HEAD, c = (i - g * PER_HEAD) * W;
-        // Both loads of every split issued before any is used: one DSMEM round trip.
+// Slice `quad` (four-column group `quad` of the flattened [head][D / 4]) belongs to CTA
+// quad % splits, at slot quad / splits: the owners share the merge evenly.
+__device__ __forceinline__ int cluster_slots(int group, int quads_per_head, int splits) {
+    return (group * quads_per_head + splits - 1) / splits;
+}
+
+// Called by every thread of a CTA that holds this split's normalised slice `quad` (head g): sends
+// it, and once per head (`with_lse`) the head's LSE to every owner, to the owners' receive areas.
+template <int D, int GMAX>
+__device__ __forceinline__ void push_slice_to_owner(unsigned char* receive, int group, int splits,
+                                                    int split, int quad, int g, float4 value,
+                                                    bool with_lse, float lse2) {
+    constexpr int QUADS = D / 4;
+    const int slots = cluster_slots(group, QUADS, splits);
+    float4* slices = reinterpret_cast<float4*>(receive);
+    float* lses = reinterpret_cast<float*>(receive + cluster_slice_bytes<D, GMAX>());
+    store4_to_cluster(cluster_address(slices + split * slots + quad / splits, quad % splits), value);
+    if (with_lse)
+        for (int owner = 0; owner < splits; ++owner)
+            store_to_cluster(cluster_address(lses + split * GMAX + g, owner), lse2);
+}
+
+// After every CTA has pushed: one barrier, then each owner merges its slices across the splits
+// and writes the output. Nothing reads another CTA's shared memory afterwards, so CTAs may leave.
+template <typename T, int D, int GMAX>
+__device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
+                                                    const unsigned char* receive, int group,
+                                                    int kv_head, int b) {
+    cluster_arrive();
+    cluster_wait();
+    constexpr int QUADS = D / 4;
+    const int splits = p.num_splits;
+    const int rank = (int)cluster_rank();
+    const int slots = cluster_slots(group, QUADS, splits);
+    const float4* slices = reinterpret_cast<const float4*>(receive);
+    const float* lses = reinterpret_cast<const float*>(receive + cluster_slice_bytes<D, GMAX>());
+    for (int slot = threadIdx.x; slot < slots; slot += kThreads) {
+        const int quad_index = slot * splits + rank;
+        if (quad_index >= group * QUADS) break;
+        const int g = quad_index / QUADS, c = (quad_index - g * QUADS) * 4;
         float lse[kMaxCluster];
         float4 x[kMaxCluster];
 #pragma unroll
         for (int s = 0; s < kMaxCluster; ++s) {
-            lse[s] = s < splits ? load_from_cluster(cluster_address(result + GMAX * D + g, s))
-                                : -INFINITY;
-            const unsigned at = cluster_address(result + g * D + c, s);
-            if constexpr (W == 4)
-                x[s] = s < splits ? load4_from_cluster(at) : make_float4(0.f, 0.f, 0.f, 0.f);
-            else
-                x[s] = make_float4(s < splits ? load_from_cluster(at) : 0.f, 0.f, 0.f, 0.f);
+            lse[s] = s < splits ? lses[s * GMAX + g] : -INFINITY;
+            x[s] = s < splits ? slices[s * slots + slot] : make_float4(0.f, 0.f, 0.f, 0.f);
         }
         float m = -INFINITY;
 #pragma unroll
@@ -100,40 +130,17 @@ __device__ __forceinline__ void merge_cluster_columns(const DecodeParams& p, con
             for (int s = 0; s < kMaxCluster; ++s) {
                 const float w = fast_exp2(lse[s] - m);  // 0 for an empty or absent split
                 value.x = fmaf(w, x[s].x, value.x);
-                if constexpr (W == 4) {
-                    value.y = fmaf(w, x[s].y, value.y);
-                    value.z = fmaf(w, x[s].z, value.z);
-                    value.w = fmaf(w, x[s].w, value.w);
-                }
+                value.y = fmaf(w, x[s].y, value.y);
+                value.z = fmaf(w, x[s].z, value.z);
+                value.w = fmaf(w, x[s].w, value.w);
                 sum += w;
             }
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
         const long long row = (long long)b * p.q_heads + kv_head * group + g;
-        T* out = static_cast<T*>(p.out) + row * D + c;
-        if constexpr (W == 4)
-            store4(out, make_float4(value.x * inv, value.y * inv, value.z * inv, value.w * inv));
-        else
-            *out = from_float<T>(value.x * inv);
+        store4(static_cast<T*>(p.out) + row * D + c,
+               make_float4(value.x * inv, value.y * inv, value.z * inv, value.w * inv));
         if (c == 0 && p.lse_out != nullptr)
             p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
     }
-}
-
-// The cluster's merge of its splits, between two cluster barriers. One column per thread while
-// that takes a single pass over the cluster's threads (8 splits, group 4: 512 columns for 1024
-// threads); beyond that four per thread, which cuts the passes and the repeated LSE reads
-// (3 splits, group 8: three passes become one; H200, b = 4, 64/8, 1K: 10.1 → 9.2 µs).
-template <typename T, int D, int GMAX>
-__device__ __forceinline__ void merge_across_cluster(const DecodeParams& p, const float* result,
-                                                     int group, int kv_head, int b) {
-    cluster_sync();
-    const unsigned rank = cluster_rank();
-    const int splits = min((int)cluster_size(), kMaxCluster);
-    if (group * D <= splits * kThreads)
-        merge_cluster_columns<T, D, GMAX, 1>(p, result, group, kv_head, b, rank, splits);
-    else
-        merge_cluster_columns<T, D, GMAX, 4>(p, result, group, kv_head, b, rank, splits);
-    // No CTA may leave (releasing its shared memory) while another still reads it.
-    cluster_sync();
 }

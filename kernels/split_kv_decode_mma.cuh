@@ -41,9 +41,12 @@ template <int D, int GMAX> struct MmaTiling {
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-    // The warps' states, then (cluster merge) the CTA's result, both after the ring is drained.
-    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>() + cluster_result_bytes<D, GMAX>();
+    // The warps' states, after the ring is drained.
+    static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+    // A cluster merge adds the receive area past both: the other CTAs push into it while this
+    // one may still be streaming.
+    static constexpr int kClusterSmemBytes = kSmemBytes + cluster_receive_bytes<D, GMAX>();
     // The persistent form keeps the ring streaming while it merges, so the areas sit side by side.
     static constexpr int kPersistentSmemBytes = kRingBytes + merge_smem_bytes<D, GMAX>();
 };
@@ -185,6 +188,14 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)SMEM) __trap();
     if (LAST_CTA_MERGE && (p.merge != kMergeByLastCta || p.split_counters == nullptr)) __trap();
+    // The cluster merge's first barrier phase: arrived at once, waited on before the first push,
+    // so that no CTA stores into another that has not started.
+    const bool cluster = !PERSISTENT && !LAST_CTA_MERGE && p.num_splits > 1 &&
+                         p.merge == kMergeInCluster;
+    if (cluster) {
+        if (dynamic_smem_bytes() < (unsigned)Cfg::kClusterSmemBytes) __trap();
+        cluster_arrive_relaxed();
+    }
     allow_dependent_launch();
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -462,12 +473,10 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, nullptr);
             merge_splits_if_last<T, D>(p, group, it.kv_head, it.b);
         } else {
-            const bool cluster = p.num_splits > 1 && p.merge == kMergeInCluster;
-            float* result = cluster
-                ? reinterpret_cast<float*>(smem + merge_smem_bytes<D, GMAX>())
-                : nullptr;
-            merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, result);
-            if (cluster) merge_across_cluster<T, D, GMAX>(p, result, group, it.kv_head, it.b);
+            unsigned char* receive = cluster ? smem + Cfg::kSmemBytes : nullptr;
+            if (cluster) cluster_wait();  // every CTA of the cluster has started
+            merge_warps_and_store<T, D, GMAX>(p, merge, group, it.split, it.kv_head, it.b, receive);
+            if (cluster) merge_pushed_slices<T, D, GMAX>(p, receive, group, it.kv_head, it.b);
         }
     }
 }

@@ -1,10 +1,11 @@
 // The end of the partial pass, shared by both kernel families: every warp of the CTA has left its
 // online-softmax state (unnormalised output row, running max, running sum, all base 2) for each
 // query head in shared memory; this merges the warps and writes the final output (one split), the
-// split's normalised output and LSE to shared memory for a merge across the cluster, or both to
-// the scratch buffers of a merge through memory (the combine pass or the last CTA).
+// split's normalised output and LSE to their owners in the cluster (kernels/cluster_merge.cuh), or
+// both to the scratch buffers of a merge through memory (the combine pass or the last CTA).
 #pragma once
 
+#include "cluster_merge.cuh"
 #include "common.cuh"
 
 // Floats per (warp, head) slot: the output row, then the max and the sum, padded so that slots
@@ -16,19 +17,14 @@ template <int D, int GMAX> __host__ __device__ constexpr int merge_smem_bytes() 
     return kWarps * GMAX * merge_slot_floats<D>() * (int)sizeof(float);
 }
 
-// A CTA's merged result for the cluster merge: [head][D] normalised outputs, then [head] LSEs.
-template <int D, int GMAX> __host__ __device__ constexpr int cluster_result_bytes() {
-    return GMAX * (D + 1) * (int)sizeof(float);
-}
-
 // `merge` holds [warp][head][merge_slot_floats]; the caller has synchronised the CTA after
-// filling it. `cluster_result` (shared memory, or null) takes the result instead of the scratch
-// buffers. Each thread finishes four consecutive columns of one head, so the warps' weights are
+// filling it. With `cluster_receive` (the receive area, at the same offset in every CTA of the
+// cluster) the result goes to its owners instead of the scratch buffers. Each thread finishes four consecutive columns of one head, so the warps' weights are
 // worked out once per four outputs and every shared-memory read is a float4.
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float* merge,
                                                       int group, int split, int kv_head, int b,
-                                                      float* cluster_result) {
+                                                      unsigned char* cluster_receive) {
     constexpr int SLOT = merge_slot_floats<D>();
     constexpr int QUADS = D / 4;  // four-column groups per head
     const bool single = p.num_splits == 1;
@@ -61,9 +57,9 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         if (single) {
             store4(static_cast<T*>(p.out) + row_index * D + c, value);
             if (c == 0 && p.lse_out != nullptr) p.lse_out[row_index] = lse2 * kLn2;
-        } else if (cluster_result != nullptr) {
-            store4(cluster_result + g * D + c, value);
-            if (c == 0) cluster_result[GMAX * D + g] = lse2;
+        } else if (cluster_receive != nullptr) {
+            push_slice_to_owner<D, GMAX>(cluster_receive, group, p.num_splits, split, i, g, value,
+                                         c == 0, lse2);
         } else {
             const long long slot = row_index * p.num_splits + split;
             store4(p.partial_out + slot * D + c, value);

@@ -165,7 +165,7 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usi
     if persistent {
         return ring + merge_smem_bytes(head_dim, gmax);
     }
-    ring.max(merge_smem_bytes(head_dim, gmax) + cluster_result_bytes(head_dim, gmax))
+    ring.max(merge_smem_bytes(head_dim, gmax))
 }
 
 /// `merge_smem_bytes` in kernels/warp_merge.cuh: per warp and head, the output row, max and sum,
@@ -174,9 +174,10 @@ fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
     WARPS * gmax * (head_dim + 8) * 4
 }
 
-/// `cluster_result_bytes` in kernels/warp_merge.cuh: per head, the output row and the LSE.
-fn cluster_result_bytes(head_dim: usize, gmax: usize) -> usize {
-    gmax * (head_dim + 1) * 4
+/// `cluster_receive_bytes` in kernels/cluster_merge.cuh: the slices the other CTAs of a cluster
+/// push to this one (float4s), then their LSEs.
+fn cluster_receive_bytes(head_dim: usize, gmax: usize) -> usize {
+    (gmax * head_dim / 4 + MAX_CLUSTER) * 16 + MAX_CLUSTER * gmax * 4
 }
 
 /// Warps per CTA of both partial kernels (`kWarps` in kernels/common.cuh).
@@ -265,6 +266,9 @@ struct DecodeKernel {
     /// The PTX module holding `func` and its other forms.
     module: (&'static str, &'static str),
     smem_bytes: usize,
+    /// Shared memory when the splits merge in a cluster: `smem_bytes` and the receive area
+    /// (`MmaTiling::kClusterSmemBytes`).
+    cluster_smem_bytes: usize,
     /// CTAs the split plan aims for.
     parallel_slots: usize,
     /// CTAs the GPU holds at once.
@@ -294,6 +298,7 @@ impl DecodeKernel {
                 cuda_core_smem_bytes(dims.head_dim, dtype.size_in_bytes(), gmax),
             ),
         };
+        let cluster_smem_bytes = smem_bytes + cluster_receive_bytes(dims.head_dim, gmax);
         let suffix = if persistent { "_persistent" } else { "" };
         let name = format!("{module}_d{}_g{gmax}{suffix}", dims.head_dim);
         let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
@@ -312,6 +317,7 @@ impl DecodeKernel {
             func,
             module: (module, ptx),
             smem_bytes,
+            cluster_smem_bytes,
             parallel_slots,
             resident: residency.total(),
         })
@@ -424,8 +430,11 @@ fn merge_cluster(
     let Some(smem) = one_cta_per_sm_smem(dev)? else {
         return Ok(None);
     };
+    if kernel.cluster_smem_bytes > max_smem_per_cta(dev)? {
+        return Ok(None);
+    }
     let cfg = LaunchConfig {
-        shared_mem_bytes: smem.max(kernel.smem_bytes) as u32,
+        shared_mem_bytes: smem.max(kernel.cluster_smem_bytes) as u32,
         ..*cfg
     };
     let size = splits as u32;

@@ -19,8 +19,9 @@ template <int D, int GMAX> __host__ __device__ constexpr int merge_smem_bytes() 
 
 // `merge` holds [warp][head][merge_slot_floats]; the caller has synchronised the CTA after
 // filling it. With `cluster_receive` (the receive area, at the same offset in every CTA of the
-// cluster) the result goes to its owners instead of the scratch buffers. Each thread finishes four consecutive columns of one head, so the warps' weights are
-// worked out once per four outputs and every shared-memory read is a float4.
+// cluster) the result goes to its owners instead of the scratch buffers. Each thread finishes
+// four consecutive columns of one head, so the warps' weights are worked out once per four
+// outputs and every shared-memory read is a float4.
 template <typename T, int D, int GMAX>
 __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, const float* merge,
                                                       int group, int split, int kv_head, int b,

@@ -11,10 +11,15 @@
 // Largest cluster the host asks for (the non-portable H100/H200 limit); src/cuda.rs MAX_CLUSTER.
 constexpr int kMaxCluster = 16;
 
-// The receive area of a CTA: the slices pushed to it, [source][slot] float4s with
-// ceil(group * D / 4 / splits) slots per source, then every source's LSEs, [source][head].
+// The receive area of a CTA: what the sources pushed to it, then every source's LSEs,
+// [source][head]. Where the cluster has a thread per output column (group * D <= splits *
+// kThreads), CTA r owns columns [r * kThreads, (r + 1) * kThreads), one per thread, and receives
+// [source][kThreads] floats; otherwise slices of four columns are dealt round robin and it
+// receives [source][slot] float4s, ceil(group * D / 4 / splits) slots per source.
 template <int D, int GMAX> __host__ __device__ constexpr int cluster_slice_bytes() {
-    return (GMAX * D / 4 + kMaxCluster) * 16;
+    return (GMAX * D / 4 + kMaxCluster) * 16 > kMaxCluster * kThreads * 4
+               ? (GMAX * D / 4 + kMaxCluster) * 16
+               : kMaxCluster * kThreads * 4;
 }
 template <int D, int GMAX> __host__ __device__ constexpr int cluster_receive_bytes() {
     return cluster_slice_bytes<D, GMAX>() + kMaxCluster * GMAX * (int)sizeof(float);
@@ -79,6 +84,11 @@ __device__ __forceinline__ int cluster_slots(int group, int quads_per_head, int 
     return (group * quads_per_head + splits - 1) / splits;
 }
 
+// One output column per thread of the cluster where there are threads enough.
+__device__ __forceinline__ bool cluster_merges_columns(int group, int head_dim, int splits) {
+    return group * head_dim <= splits * kThreads;
+}
+
 // Called by every thread of a CTA that holds this split's normalised slice `quad` (head g): sends
 // it, and once per head (`with_lse`) the head's LSE to every owner, to the owners' receive areas.
 template <int D, int GMAX>
@@ -86,10 +96,20 @@ __device__ __forceinline__ void push_slice_to_owner(unsigned char* receive, int 
                                                     int split, int quad, int g, float4 value,
                                                     bool with_lse, float lse2) {
     constexpr int QUADS = D / 4;
-    const int slots = cluster_slots(group, QUADS, splits);
-    float4* slices = reinterpret_cast<float4*>(receive);
     float* lses = reinterpret_cast<float*>(receive + cluster_slice_bytes<D, GMAX>());
-    store4_to_cluster(cluster_address(slices + split * slots + quad / splits, quad % splits), value);
+    if (cluster_merges_columns(group, D, splits)) {
+        // Columns 4 * quad .. + 3 lie within one owner's range (kThreads is a multiple of 4).
+        const int column = quad * 4;
+        float* columns = reinterpret_cast<float*>(receive);
+        store4_to_cluster(cluster_address(columns + split * kThreads + column % kThreads,
+                                          column / kThreads),
+                          value);
+    } else {
+        const int slots = cluster_slots(group, QUADS, splits);
+        float4* slices = reinterpret_cast<float4*>(receive);
+        store4_to_cluster(cluster_address(slices + split * slots + quad / splits, quad % splits),
+                          value);
+    }
     if (with_lse)
         for (int owner = 0; owner < splits; ++owner)
             store_to_cluster(cluster_address(lses + split * GMAX + g, owner), lse2);
@@ -106,9 +126,38 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
     constexpr int QUADS = D / 4;
     const int splits = p.num_splits;
     const int rank = (int)cluster_rank();
+    const float* lses = reinterpret_cast<const float*>(receive + cluster_slice_bytes<D, GMAX>());
+    if (cluster_merges_columns(group, D, splits)) {
+        const int column = rank * kThreads + threadIdx.x;
+        if (column >= group * D) return;
+        const int g = column / D, c = column - g * D;
+        const float* columns = reinterpret_cast<const float*>(receive);
+        float lse[kMaxCluster], x[kMaxCluster];
+#pragma unroll
+        for (int s = 0; s < kMaxCluster; ++s) {
+            lse[s] = s < splits ? lses[s * GMAX + g] : -INFINITY;
+            x[s] = s < splits ? columns[s * kThreads + threadIdx.x] : 0.f;
+        }
+        float m = -INFINITY;
+#pragma unroll
+        for (int s = 0; s < kMaxCluster; ++s) m = fmaxf(m, lse[s]);
+        float value = 0.f, sum = 0.f;
+        if (m != -INFINITY) {
+#pragma unroll
+            for (int s = 0; s < kMaxCluster; ++s) {
+                const float w = fast_exp2(lse[s] - m);  // 0 for an empty or absent split
+                value = fmaf(w, x[s], value);
+                sum += w;
+            }
+        }
+        const long long row = (long long)b * p.q_heads + kv_head * group + g;
+        static_cast<T*>(p.out)[row * D + c] = from_float<T>(sum > 0.f ? value / sum : 0.f);
+        if (c == 0 && p.lse_out != nullptr)
+            p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
+        return;
+    }
     const int slots = cluster_slots(group, QUADS, splits);
     const float4* slices = reinterpret_cast<const float4*>(receive);
-    const float* lses = reinterpret_cast<const float*>(receive + cluster_slice_bytes<D, GMAX>());
     for (int slot = threadIdx.x; slot < slots; slot += kThreads) {
         const int quad_index = slot * splits + rank;
         if (quad_index >= group * QUADS) break;

@@ -174,10 +174,12 @@ fn merge_smem_bytes(head_dim: usize, gmax: usize) -> usize {
     WARPS * gmax * (head_dim + 8) * 4
 }
 
-/// `cluster_receive_bytes` in kernels/cluster_merge.cuh: the slices the other CTAs of a cluster
-/// push to this one (float4s), then their LSEs.
+/// `cluster_receive_bytes` in kernels/cluster_merge.cuh: what the other CTAs of a cluster push
+/// to this one (slices of four columns, or one column per thread), then their LSEs.
 fn cluster_receive_bytes(head_dim: usize, gmax: usize) -> usize {
-    (gmax * head_dim / 4 + MAX_CLUSTER) * 16 + MAX_CLUSTER * gmax * 4
+    let slices = (gmax * head_dim / 4 + MAX_CLUSTER) * 16;
+    let columns = MAX_CLUSTER * DECODE_THREADS as usize * 4;
+    slices.max(columns) + MAX_CLUSTER * gmax * 4
 }
 
 /// Warps per CTA of both partial kernels (`kWarps` in kernels/common.cuh).

@@ -289,10 +289,14 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // would queue behind them and hold up the first tile's product.
     if (first_item < items) load_q(first);
     auto settle_load = [&]() {
-        while (load_index < items && load_n >= load_item.my_tiles) {
-            load_index += item_stride;
-            load_n = 0;
-            if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+        if constexpr (!PERSISTENT) {  // one item: past its last tile the cursor is done
+            if (load_n >= load_item.my_tiles) load_index = items;
+        } else {
+            while (load_index < items && load_n >= load_item.my_tiles) {
+                load_index += item_stride;
+                load_n = 0;
+                if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+            }
         }
     };
     auto issue_next = [&]() {

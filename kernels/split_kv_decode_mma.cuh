@@ -289,7 +289,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // would queue behind them and hold up the first tile's product.
     if (first_item < items) load_q(first);
     auto settle_load = [&]() {
-        if constexpr (!PERSISTENT) {  // one item: past its last tile the cursor is done
+        if constexpr (!PERSISTENT) {
+            // One item per CTA: past its last tile the cursor is done. Spelled out, since the
+            // walk below would find nothing yet keep a second copy of the item's addresses.
             if (load_n >= load_item.my_tiles) load_index = items;
         } else {
             while (load_index < items && load_n >= load_item.my_tiles) {

@@ -1,9 +1,10 @@
 // The merge of a (batch, kv head)'s splits without a combine pass (sm_90). The host launches the
-// splits of each (batch, kv head) as one thread-block cluster. Each output slice (four columns
-// of one head) has an owner CTA; every CTA pushes its normalised slices and its LSEs into the
-// owners' shared memory (distributed shared memory stores, which need no reply), one cluster
-// barrier makes them visible, and each owner merges its slices from local shared memory. No
-// scratch round trip through L2, no second grid, and no remote loads or closing barrier.
+// splits of each (batch, kv head) as one thread-block cluster. Each output column has an owner
+// CTA (one thread per column where the cluster has threads enough, else slices of four columns
+// dealt round robin); every CTA pushes its normalised columns and its LSEs into the owners'
+// shared memory (distributed shared memory stores, which need no reply), one cluster barrier
+// makes them visible, and each owner merges from local shared memory. No scratch round trip
+// through L2, no second grid, and no remote loads or closing barrier.
 #pragma once
 
 #include "common.cuh"
@@ -17,9 +18,9 @@ constexpr int kMaxCluster = 16;
 // [source][kThreads] floats; otherwise slices of four columns are dealt round robin and it
 // receives [source][slot] float4s, ceil(group * D / 4 / splits) slots per source.
 template <int D, int GMAX> __host__ __device__ constexpr int cluster_slice_bytes() {
-    return (GMAX * D / 4 + kMaxCluster) * 16 > kMaxCluster * kThreads * 4
-               ? (GMAX * D / 4 + kMaxCluster) * 16
-               : kMaxCluster * kThreads * 4;
+    constexpr int slices = (GMAX * D / 4 + kMaxCluster) * 16;  // float4 slots, a spare per source
+    constexpr int columns = kMaxCluster * kThreads * 4;         // a float per thread and source
+    return slices > columns ? slices : columns;
 }
 template <int D, int GMAX> __host__ __device__ constexpr int cluster_receive_bytes() {
     return cluster_slice_bytes<D, GMAX>() + kMaxCluster * GMAX * (int)sizeof(float);

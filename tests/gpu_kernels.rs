@@ -7,17 +7,11 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_splitkv::{CudaKernel, SplitKvAttention};
-use common::{assert_close, assert_lse_close, gpu, host_f64, reference, Case};
+use common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference, Case};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-fn poisoned(scale: f32) -> SplitKvAttention {
-    let mut op = SplitKvAttention::new(scale);
-    op.poison_scratch = true;
-    op
-}
 
 fn check_case(dev: &Device, case: Case, splits: Option<usize>) -> Result<()> {
     check_case_with(dev, case, splits, CudaKernel::Auto)
@@ -414,60 +408,6 @@ fn gpu_matches_cpu_op() -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The op captured into a CUDA graph as the first calls on a fresh device (kernel setup, scratch
-/// allocation and the merge launches all inside the capture): a cluster merge (7 splits), and 20
-/// splits, which merge in the combine pass because the split counters cannot be allocated inside
-/// a capture. After an eager call has allocated them, a second capture merges by the last CTA.
-/// Every replayed graph must give the right answer.
-#[cfg(feature = "cuda")]
-#[test]
-fn gpu_first_call_in_graph_capture() -> Result<()> {
-    use candle_core::cuda::WrapErr;
-    use cudarc::driver::sys;
-    let Some(dev) = gpu() else { return Ok(()) };
-    let Device::Cuda(cuda) = &dev else {
-        unreachable!("gpu() returns a CUDA device")
-    };
-    // SAFETY: this device is used by this test only, on one stream.
-    unsafe { cuda.disable_event_tracking() };
-    let case = Case {
-        b: 2,
-        h_q: 8,
-        h_kv: 2,
-        d: 128,
-        l: 5000,
-        dtype: DType::BF16,
-    };
-    let (q, k, v) = common::random_qkv(&case, &dev)?;
-    let want = reference(&q, &k, &v, case.scale(), None)?;
-    let stream = cuda.cuda_stream();
-    let run = |splits: usize| {
-        poisoned(case.scale())
-            .with_num_splits(Some(splits))
-            .forward(&q, &k, &v)
-    };
-    let captured = |splits: usize, what: &str| -> Result<()> {
-        stream.synchronize().w()?;
-        stream
-            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .w()?;
-        let out = run(splits);
-        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).w()?;
-        let out = out?;
-        let Some(graph) = graph else {
-            panic!("the capture recorded no work ({what})")
-        };
-        // The graph owns the output's allocation, so it launches once.
-        graph.launch().w()?;
-        stream.synchronize().w()?;
-        assert_close(what, &out, &want.out, case.dtype)
-    };
-    captured(7, "first call in capture, cluster merge")?;
-    captured(20, "first call in capture, 20 splits")?;
-    assert_close("eager, 20 splits", &run(20)?, &want.out, case.dtype)?;
-    captured(20, "capture after an eager call, 20 splits")
 }
 
 /// The last CTA of each (batch, kv head) resets its arrival counter, so calls of other shapes and

@@ -4,6 +4,7 @@
 pub mod tiny_llama;
 
 use candle_core::{DType, Device, Result, Tensor};
+use candle_splitkv::SplitKvAttention;
 use rayon::prelude::*;
 
 /// The first CUDA device, or `None` with a notice, so that GPU tests skip where there is none.
@@ -15,6 +16,14 @@ pub fn gpu() -> Option<Device> {
             None
         }
     }
+}
+
+/// The op with its output and split scratch filled with NaN before the kernels run, so that an
+/// element they fail to write fails the comparison.
+pub fn poisoned(scale: f32) -> SplitKvAttention {
+    let mut op = SplitKvAttention::new(scale);
+    op.poison_scratch = true;
+    op
 }
 
 /// One decode problem's sizes.

@@ -31,12 +31,15 @@ template <int D, int GMAX> struct MmaTiling {
     // (ring wait, copy issue, max shuffles, rescale) is paid per as many bytes as at D = 128.
     static constexpr int kRows = D * 2 <= 128 ? 32 : 16;
     static constexpr int kRowBlocks = kRows / 16;
-    // The eight rows an `ldmatrix` phase reads must sit in distinct banks. Rows that are a
-    // multiple of 128 bytes stay dense and permute their 16-byte pieces (XOR with row % 8); a
-    // padded row would split each warp's cp.async into extra partial-sector L2 requests. Other
-    // widths (80, 96) take a 16-byte pad instead.
-    static constexpr bool kSwizzle = (D * 2) % 128 == 0;
-    static constexpr int kRowBytes = kSwizzle ? D * 2 : D * 2 + 16;
+    // Rows stay dense, so that every eight lanes' 16-byte async copies fill one aligned 128-byte
+    // line of shared memory (a copy that straddles two lines costs twice). The eight rows an
+    // `ldmatrix` phase reads must then sit in distinct banks: a row moves the bank by PIECES
+    // (mod 8) pieces, so rows repeat the bank pattern every kRowsPerCycle and each such run XORs
+    // its pieces with a different value below kPieceGroup (see piece_offset).
+    static constexpr int kPieces = D * 2 / 16;
+    static constexpr int kPieceGroup = kPieces % 8 == 0 ? 8 : (kPieces % 4 == 0 ? 4 : (kPieces % 2 == 0 ? 2 : 1));
+    static constexpr int kRowsPerCycle = 8 / kPieceGroup;
+    static constexpr int kRowBytes = D * 2;
     static constexpr int kStageBytes = 2 * kRows * kRowBytes;
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
@@ -113,12 +116,18 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The ring slot of 16-byte piece `piece` of row `row`: XOR-ing with a value below kPieceGroup
+// keeps each piece within its row (kPieces is a multiple of kPieceGroup) and is its own inverse.
+template <int D, int GMAX>
+__device__ __forceinline__ int piece_slot(int row, int piece) {
+    using Cfg = MmaTiling<D, GMAX>;
+    return piece ^ ((row / Cfg::kRowsPerCycle) & (Cfg::kPieceGroup - 1));
+}
+
 // Byte offset of 16-byte piece `piece` of row `row` within a K or V tile.
 template <int D, int GMAX>
 __device__ __forceinline__ int piece_offset(int row, int piece) {
-    using Cfg = MmaTiling<D, GMAX>;
-    const int slot = Cfg::kSwizzle ? piece ^ (row & 7) : piece;
-    return row * Cfg::kRowBytes + slot * 16;
+    return row * MmaTiling<D, GMAX>::kRowBytes + piece_slot<D, GMAX>(row, piece) * 16;
 }
 
 // One work item: a (split, kv head, batch) and the part of its chunk that exists.
@@ -251,10 +260,11 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         unsigned char* v_s = k_s + ROWS * ROW_BYTES;
 #pragma unroll
         for (int i = lane; i < ROWS * PIECES; i += 32) {
-            const int r = i / PIECES, c = i - r * PIECES;
+            // Lanes take consecutive slots of the tile, so each eight of them fill one line.
+            const int r = i / PIECES, c = piece_slot<D, GMAX>(r, i - r * PIECES);
             const bool valid = first + r < it.end;
             const long long pos = valid ? first + r : it.start;  // never past the end
-            const int dst = piece_offset<D, GMAX>(r, c);
+            const int dst = i * 16;
             cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
             cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
         }

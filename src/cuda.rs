@@ -153,12 +153,8 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usi
     const RING_BYTES_PER_WARP: usize = 26 * 1024;
     // 32-row tiles where a row is at most 128 bytes, else 16.
     let rows = if head_dim * 2 <= 128 { 32 } else { 16 };
-    // Dense swizzled rows when a row is a multiple of 128 bytes, else a 16-byte pad.
-    let row_bytes = if (head_dim * 2).is_multiple_of(128) {
-        head_dim * 2
-    } else {
-        head_dim * 2 + 16
-    };
+    // Dense rows, their pieces permuted rather than padded.
+    let row_bytes = head_dim * 2;
     let stage_bytes = 2 * rows * row_bytes;
     let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
     let ring = WARPS * stages * stage_bytes;

@@ -350,6 +350,8 @@ fn gpu_persistent_grid() -> Result<()> {
         (40, 8, 8, 64),
         (40, 12, 4, 256),
         (70, 48, 4, 96),
+        (40, 32, 8, 96),
+        (40, 16, 4, 80),
     ] {
         for dtype in [DType::BF16, DType::F16] {
             let case = Case {

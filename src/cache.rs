@@ -265,7 +265,7 @@ impl KvCache {
     fn check_new(&self, op: &str, k: &Tensor, v: &Tensor, batch: usize) -> Result<usize> {
         let expected = (batch, self.kv_heads(), self.head_dim());
         for (name, x) in [("k", k), ("v", v)] {
-            let (b, _t, h, d) = x.dims4().map_err(|_| {
+            let wrong_shape = || {
                 candle_core::Error::Msg(format!(
                     "kv cache {op}: {name} must be (batch, t, kv_heads, head_dim) = ({}, t, {}, {}), \
                      got {:?}",
@@ -274,16 +274,10 @@ impl KvCache {
                     expected.2,
                     x.dims()
                 ))
-            })?;
+            };
+            let (b, _t, h, d) = x.dims4().map_err(|_| wrong_shape())?;
             if (b, h, d) != expected {
-                bail!(
-                    "kv cache {op}: {name} must be (batch, t, kv_heads, head_dim) = ({}, t, {}, {}), \
-                     got {:?}",
-                    expected.0,
-                    expected.1,
-                    expected.2,
-                    x.dims()
-                )
+                return Err(wrong_shape());
             }
             if x.dtype() != self.dtype() {
                 bail!(

@@ -260,11 +260,16 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         unsigned char* v_s = k_s + ROWS * ROW_BYTES;
 #pragma unroll
         for (int i = lane; i < ROWS * PIECES; i += 32) {
-            // Lanes take consecutive slots of the tile, so each eight of them fill one line.
-            const int r = i / PIECES, c = piece_slot<D, GMAX>(r, i - r * PIECES);
+            // Each eight lanes must fill one aligned line. Rows of whole groups of eight pieces
+            // do that with lanes on consecutive pieces (the XOR permutes within a line), which
+            // keeps a lane's source offset the same in every row; other rows take consecutive
+            // slots instead.
+            constexpr bool kLanesOnPieces = Cfg::kPieceGroup == 8;
+            const int r = i / PIECES, at = i - r * PIECES;
+            const int c = kLanesOnPieces ? at : piece_slot<D, GMAX>(r, at);
             const bool valid = first + r < it.end;
             const long long pos = valid ? first + r : it.start;  // never past the end
-            const int dst = i * 16;
+            const int dst = kLanesOnPieces ? piece_offset<D, GMAX>(r, c) : i * 16;
             cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
             cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
         }

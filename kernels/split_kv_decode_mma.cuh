@@ -42,7 +42,9 @@ template <int D, int GMAX> struct MmaTiling {
     static constexpr int kRowBytes = D * 2;
     static constexpr int kStageBytes = 2 * kRows * kRowBytes;
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
-    static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    // At least three, so that two tiles are in flight while one is computed; at D = 256 that is
+    // 48 KiB a warp, past kMmaRingBytesPerWarp.
+    static constexpr int kStages = kStagesWanted < 3 ? 3 : (kStagesWanted > 8 ? 8 : kStagesWanted);
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
     // The warps' states, after the ring is drained.
     static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();

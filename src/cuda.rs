@@ -156,7 +156,7 @@ fn tensor_core_smem_bytes(head_dim: usize, gmax: usize, persistent: bool) -> usi
     // Dense rows, their pieces permuted rather than padded.
     let row_bytes = head_dim * 2;
     let stage_bytes = 2 * rows * row_bytes;
-    let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(2, 8);
+    let stages = (RING_BYTES_PER_WARP / stage_bytes).clamp(3, 8);
     let ring = WARPS * stages * stage_bytes;
     if persistent {
         return ring + merge_smem_bytes(head_dim, gmax);

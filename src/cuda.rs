@@ -114,13 +114,36 @@ struct CombineParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for CombineParams {}
 
+/// Query heads one CTA holds at most: the largest compiled `GMAX`.
+const MAX_GROUP: usize = 16;
+
 /// The CUDA-core kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
 fn group_bucket(group: usize) -> Result<usize> {
-    match [1, 2, 4, 8, 16].into_iter().find(|&g| g >= group) {
+    match [1, 2, 4, 8, MAX_GROUP].into_iter().find(|&g| g >= group) {
         Some(g) => Ok(g),
         None => bail!(
-            "split-kv attention: the CUDA kernels support up to 16 query heads per kv head, got {group}"
+            "split-kv attention: with more than one kv head the CUDA kernels support up to \
+             {MAX_GROUP} query heads per kv head, got {group} (a single kv head takes any number)"
         ),
+    }
+}
+
+/// Multi-query attention with more query heads than a CTA holds: the one kv head runs as
+/// `parts` virtual kv heads of `group / parts` query heads each, `parts` the smallest divisor of
+/// the group that brings it to `MAX_GROUP` or less. Query head `v * (group / parts) + i` is then
+/// member `i` of virtual head `v`, as the kernels number them, and every virtual head reads the
+/// one head's K and V (`launch` gives them a head stride of 0). Other shapes pass through.
+fn virtual_kv_heads(dims: DecodeDims) -> DecodeDims {
+    let group = dims.group_size();
+    if dims.kv_heads != 1 || group <= MAX_GROUP {
+        return dims;
+    }
+    let parts = (group.div_ceil(MAX_GROUP)..group)
+        .find(|&parts| group.is_multiple_of(parts))
+        .unwrap_or(group);
+    DecodeDims {
+        kv_heads: parts,
+        ..dims
     }
 }
 
@@ -447,7 +470,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    Ok(prepare(op, dev, dtype, dims)?.1)
+    Ok(prepare(op, dev, dtype, &virtual_kv_heads(*dims))?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -482,7 +505,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<(CudaStorage, Shape)> {
     let dev = q.device().clone();
     let elem_bytes = std::mem::size_of::<T>();
-    let (q_strides, k_strides, v_strides) = (
+    let (q_strides, mut k_strides, mut v_strides) = (
         RowStrides::of(q_layout),
         RowStrides::of(k_layout),
         RowStrides::of(v_layout),
@@ -490,6 +513,14 @@ fn launch<T: CudaDType + DeviceRepr>(
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
+    let dims = {
+        let virtual_dims = virtual_kv_heads(dims);
+        if virtual_dims.kv_heads != dims.kv_heads {
+            k_strides.head = 0;
+            v_strides.head = 0;
+        }
+        virtual_dims
+    };
     if dims.kv_len > i32::MAX as usize {
         bail!(
             "split-kv attention: kv_len {} exceeds {}",
@@ -674,4 +705,41 @@ fn launch<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev),
         q_layout.shape().clone(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(q_heads: usize, kv_heads: usize) -> DecodeDims {
+        DecodeDims {
+            batch: 2,
+            q_heads,
+            kv_heads,
+            head_dim: 128,
+            kv_len: 1000,
+        }
+    }
+
+    #[test]
+    fn wide_multi_query_groups_become_virtual_kv_heads() {
+        // (q heads, kv heads) → virtual kv heads
+        for (q_heads, kv_heads, want) in [
+            (48, 1, 3),
+            (20, 1, 2),
+            (40, 1, 4),
+            (71, 1, 71),
+            (17, 1, 17),
+            (16, 1, 1),
+            (1, 1, 1),
+            (32, 8, 8),
+            (34, 2, 2),
+        ] {
+            let got = virtual_kv_heads(dims(q_heads, kv_heads));
+            assert_eq!(got.kv_heads, want, "{q_heads}/{kv_heads}");
+            assert_eq!(got.q_heads, q_heads);
+            assert!(got.group_size() <= MAX_GROUP || kv_heads > 1);
+            assert_eq!(got.q_heads % got.kv_heads, 0);
+        }
+    }
 }

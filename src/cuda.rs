@@ -115,15 +115,15 @@ struct CombineParams {
 unsafe impl DeviceRepr for CombineParams {}
 
 /// Query heads one CTA holds at most: the largest compiled `GMAX`.
-const MAX_GROUP: usize = 16;
+pub(crate) const MAX_GROUP: usize = 16;
 
 /// The CUDA-core kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
 fn group_bucket(group: usize) -> Result<usize> {
     match [1, 2, 4, 8, MAX_GROUP].into_iter().find(|&g| g >= group) {
         Some(g) => Ok(g),
         None => bail!(
-            "split-kv attention: with more than one kv head the CUDA kernels support up to \
-             {MAX_GROUP} query heads per kv head, got {group} (a single kv head takes any number)"
+            "split-kv attention: a CUDA kernel holds up to {MAX_GROUP} query heads per kv head, \
+             got {group}"
         ),
     }
 }

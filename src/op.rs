@@ -87,7 +87,38 @@ impl SplitKvAttention {
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
         }
+        if runs_per_kv_head(q.device(), &dims) {
+            return self.forward_per_kv_head(q, k, v, &dims);
+        }
         q.apply_op3(k, v, self.clone())
+    }
+
+    /// Groups wider than a CUDA block holds, over several kv heads: one call per kv head (where a
+    /// single kv head takes any group), the outputs and LSEs joined along the heads.
+    fn forward_per_kv_head(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        dims: &DecodeDims,
+    ) -> Result<Tensor> {
+        let group = dims.group_size();
+        let mut outs = Vec::with_capacity(dims.kv_heads);
+        let mut lses = Vec::with_capacity(dims.kv_heads);
+        for head in 0..dims.kv_heads {
+            let slot: Option<LseSlot> = self.lse_slot.as_ref().map(|_| Arc::default());
+            let op = Self {
+                lse_slot: slot.clone(),
+                ..self.clone()
+            };
+            let q_head = q.narrow(2, head * group, group)?;
+            outs.push(q_head.apply_op3(&k.narrow(2, head, 1)?, &v.narrow(2, head, 1)?, op)?);
+            if let Some(slot) = slot {
+                lses.push(take_lse(&slot)?);
+            }
+        }
+        self.deliver_lse(|| Tensor::cat(&lses, 1))?;
+        Tensor::cat(&outs, 2)
     }
 
     /// Runs the op and also returns the log-sum-exp of the scaled scores, f32 `(batch, q_heads, 1)`
@@ -99,21 +130,23 @@ impl SplitKvAttention {
             ..self.clone()
         };
         let out = op.forward(q, k, v)?;
-        let lse = slot
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into()))?
-            .take();
-        match lse {
-            Some(lse) => Ok((out, lse)),
-            None => bail!("split-kv attention: the backend did not produce an LSE"),
-        }
+        Ok((out, take_lse(&slot)?))
     }
 
     /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
+    /// Groups that run one kv head at a time (see [`SplitKvAttention::forward`]) report the plan of
+    /// each such call.
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
-        let dims = validate::check_tensors(q, k, k)?;
+        let mut dims = validate::check_tensors(q, k, k)?;
+        if runs_per_kv_head(q.device(), &dims) {
+            dims = DecodeDims {
+                q_heads: dims.group_size(),
+                kv_heads: 1,
+                ..dims
+            };
+        }
         match q.device() {
             Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots(), plan::MIN_CHUNK)),
             #[cfg(feature = "cuda")]
@@ -204,6 +237,29 @@ impl SplitKvAttention {
     }
 }
 
+/// Takes the LSE a call left in `slot`.
+fn take_lse(slot: &LseSlot) -> Result<Tensor> {
+    let lse = slot
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into()))?
+        .take();
+    match lse {
+        Some(lse) => Ok(lse),
+        None => bail!("split-kv attention: the backend did not produce an LSE"),
+    }
+}
+
+/// Whether this call runs one kv head at a time: on CUDA, more query heads per kv head than a
+/// block holds, and more than one kv head.
+fn runs_per_kv_head(device: &Device, dims: &DecodeDims) -> bool {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return dims.kv_heads > 1 && dims.group_size() > crate::cuda::MAX_GROUP;
+    }
+    let _ = (device, dims);
+    false
+}
+
 /// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
 fn cpu_parallel_slots() -> usize {
     4 * rayon::current_num_threads()
@@ -269,5 +325,42 @@ impl CustomOp3 for SplitKvAttention {
         _grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         bail!("split-kv attention: backward is not supported: inference only")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    /// The per-kv-head path (taken on CUDA for wide groups) joins its calls' outputs and LSEs in
+    /// head order: run on the CPU, it must match the one-call result.
+    #[test]
+    fn per_kv_head_calls_join_in_head_order() -> Result<()> {
+        let (b, q_heads, kv_heads, d, len) = (2, 34, 2, 64, 300);
+        let q = Tensor::randn(0f32, 1.0, (b, 1, q_heads, d), &Device::Cpu)?;
+        let k = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
+        let v = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
+        let op = SplitKvAttention::new(0.125).with_num_splits(Some(3));
+        let dims = validate::check_tensors(&q, &k, &v)?;
+        let (want, want_lse) = op.forward_with_lse(&q, &k, &v)?;
+
+        let slot: LseSlot = Arc::default();
+        let with_slot = SplitKvAttention {
+            lse_slot: Some(slot.clone()),
+            ..op.clone()
+        };
+        let got = with_slot.forward_per_kv_head(&q, &k, &v, &dims)?;
+        let got_lse = take_lse(&slot)?;
+        assert_eq!(got.dims(), want.dims());
+        assert_eq!(got_lse.dims(), want_lse.dims());
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let lse_diff = (got_lse - want_lse)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5 && lse_diff < 1e-5, "{diff} {lse_diff}");
+        assert_eq!(
+            op.forward_per_kv_head(&q, &k, &v, &dims)?.dtype(),
+            DType::F32
+        );
+        Ok(())
     }
 }

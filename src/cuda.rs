@@ -15,6 +15,7 @@ use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
 use crate::split_counters::{split_counters, SPLIT_COUNTERS};
 use crate::validate::{self, DecodeDims, RowStrides};
+use crate::wide_groups::{virtual_kv_heads, MAX_GROUP};
 
 const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
 const DECODE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_bf16.ptx"));
@@ -114,9 +115,6 @@ struct CombineParams {
 // SAFETY: as above.
 unsafe impl DeviceRepr for CombineParams {}
 
-/// Query heads one CTA holds at most: the largest compiled `GMAX`.
-pub(crate) const MAX_GROUP: usize = 16;
-
 /// The CUDA-core kernel's group-size bucket: the smallest compiled `GMAX` holding the group.
 fn group_bucket(group: usize) -> Result<usize> {
     match [1, 2, 4, 8, MAX_GROUP].into_iter().find(|&g| g >= group) {
@@ -125,25 +123,6 @@ fn group_bucket(group: usize) -> Result<usize> {
             "split-kv attention: a CUDA kernel holds up to {MAX_GROUP} query heads per kv head, \
              got {group}"
         ),
-    }
-}
-
-/// Multi-query attention with more query heads than a CTA holds: the one kv head runs as
-/// `parts` virtual kv heads of `group / parts` query heads each, `parts` the smallest divisor of
-/// the group that brings it to `MAX_GROUP` or less. Query head `v * (group / parts) + i` is then
-/// member `i` of virtual head `v`, as the kernels number them, and every virtual head reads the
-/// one head's K and V (`launch` gives them a head stride of 0). Other shapes pass through.
-fn virtual_kv_heads(dims: DecodeDims) -> DecodeDims {
-    let group = dims.group_size();
-    if dims.kv_heads != 1 || group <= MAX_GROUP {
-        return dims;
-    }
-    let parts = (group.div_ceil(MAX_GROUP)..group)
-        .find(|&parts| group.is_multiple_of(parts))
-        .unwrap_or(group);
-    DecodeDims {
-        kv_heads: parts,
-        ..dims
     }
 }
 
@@ -470,7 +449,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    Ok(prepare(op, dev, dtype, &virtual_kv_heads(*dims))?.1)
+    Ok(prepare(op, dev, dtype, &virtual_kv_heads(*dims)?)?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -514,7 +493,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
     let dims = {
-        let virtual_dims = virtual_kv_heads(dims);
+        let virtual_dims = virtual_kv_heads(dims)?;
         if virtual_dims.kv_heads != dims.kv_heads {
             k_strides.head = 0;
             v_strides.head = 0;
@@ -705,41 +684,4 @@ fn launch<T: CudaDType + DeviceRepr>(
         CudaStorage::wrap_cuda_slice(out, dev),
         q_layout.shape().clone(),
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn dims(q_heads: usize, kv_heads: usize) -> DecodeDims {
-        DecodeDims {
-            batch: 2,
-            q_heads,
-            kv_heads,
-            head_dim: 128,
-            kv_len: 1000,
-        }
-    }
-
-    #[test]
-    fn wide_multi_query_groups_become_virtual_kv_heads() {
-        // (q heads, kv heads) → virtual kv heads
-        for (q_heads, kv_heads, want) in [
-            (48, 1, 3),
-            (20, 1, 2),
-            (40, 1, 4),
-            (71, 1, 71),
-            (17, 1, 17),
-            (16, 1, 1),
-            (1, 1, 1),
-            (32, 8, 8),
-            (34, 2, 2),
-        ] {
-            let got = virtual_kv_heads(dims(q_heads, kv_heads));
-            assert_eq!(got.kv_heads, want, "{q_heads}/{kv_heads}");
-            assert_eq!(got.q_heads, q_heads);
-            assert!(got.group_size() <= MAX_GROUP || kv_heads > 1);
-            assert_eq!(got.q_heads % got.kv_heads, 0);
-        }
-    }
 }

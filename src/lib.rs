@@ -39,6 +39,7 @@ pub mod plan;
 #[cfg(feature = "cuda")]
 mod split_counters;
 mod validate;
+mod wide_groups;
 
 use candle_core::{Result, Tensor};
 

@@ -8,6 +8,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use crate::cpu::{self, DecodeInputs, Element};
 use crate::plan::{self, SplitPlan};
 use crate::validate::{self, DecodeDims, RowStrides};
+use crate::wide_groups;
 
 /// Where a call that asked for the LSE finds it once the op has run.
 type LseSlot = Arc<Mutex<Option<Tensor>>>;
@@ -87,15 +88,16 @@ impl SplitKvAttention {
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
         }
-        if runs_per_kv_head(q.device(), &dims) {
-            return self.forward_per_kv_head(q, k, v, &dims);
+        if wide_on_cuda(q.device(), &dims) {
+            return self.forward_wide_group(q, k, v, &dims);
         }
         q.apply_op3(k, v, self.clone())
     }
 
-    /// Groups wider than a CUDA block holds, over several kv heads: one call per kv head (where a
-    /// single kv head takes any group), the outputs and LSEs joined along the heads.
-    fn forward_per_kv_head(
+    /// Groups wider than a CUDA block (see `wide_groups`): one call per kv head, its query heads
+    /// padded with zero heads so that they split into equal blocks; the padding's outputs and LSEs
+    /// are dropped and the kv heads' results joined in head order.
+    fn forward_wide_group(
         &self,
         q: &Tensor,
         k: &Tensor,
@@ -103,6 +105,7 @@ impl SplitKvAttention {
         dims: &DecodeDims,
     ) -> Result<Tensor> {
         let group = dims.group_size();
+        let padding = wide_groups::padded_group(group) - group;
         let mut outs = Vec::with_capacity(dims.kv_heads);
         let mut lses = Vec::with_capacity(dims.kv_heads);
         for head in 0..dims.kv_heads {
@@ -111,14 +114,27 @@ impl SplitKvAttention {
                 lse_slot: slot.clone(),
                 ..self.clone()
             };
-            let q_head = q.narrow(2, head * group, group)?;
-            outs.push(q_head.apply_op3(&k.narrow(2, head, 1)?, &v.narrow(2, head, 1)?, op)?);
+            let mut q_head = q.narrow(2, head * group, group)?;
+            if padding > 0 {
+                let zeros = Tensor::zeros(
+                    (dims.batch, 1, padding, dims.head_dim),
+                    q.dtype(),
+                    q.device(),
+                )?;
+                q_head = Tensor::cat(&[&q_head, &zeros], 2)?;
+            }
+            let (k_head, v_head) = (k.narrow(2, head, 1)?, v.narrow(2, head, 1)?);
+            outs.push(
+                q_head
+                    .apply_op3(&k_head, &v_head, op)?
+                    .narrow(2, 0, group)?,
+            );
             if let Some(slot) = slot {
-                lses.push(take_lse(&slot)?);
+                lses.push(take_lse(&slot)?.narrow(1, 0, group)?);
             }
         }
-        self.deliver_lse(|| Tensor::cat(&lses, 1))?;
-        Tensor::cat(&outs, 2)
+        self.deliver_lse(|| Tensor::cat(&lses, 1)?.contiguous())?;
+        Tensor::cat(&outs, 2)?.contiguous()
     }
 
     /// Runs the op and also returns the log-sum-exp of the scaled scores, f32 `(batch, q_heads, 1)`
@@ -136,13 +152,13 @@ impl SplitKvAttention {
     /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
-    /// Groups that run one kv head at a time (see [`SplitKvAttention::forward`]) report the plan of
-    /// each such call.
+    /// Groups wider than a CUDA block, which run one kv head at a time (see
+    /// [`SplitKvAttention::forward`]), report the plan of each such call.
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let mut dims = validate::check_tensors(q, k, k)?;
-        if runs_per_kv_head(q.device(), &dims) {
+        if wide_on_cuda(q.device(), &dims) {
             dims = DecodeDims {
-                q_heads: dims.group_size(),
+                q_heads: wide_groups::padded_group(dims.group_size()),
                 kv_heads: 1,
                 ..dims
             };
@@ -249,15 +265,9 @@ fn take_lse(slot: &LseSlot) -> Result<Tensor> {
     }
 }
 
-/// Whether this call runs one kv head at a time: on CUDA, more query heads per kv head than a
-/// block holds, and more than one kv head.
-fn runs_per_kv_head(device: &Device, dims: &DecodeDims) -> bool {
-    #[cfg(feature = "cuda")]
-    if device.is_cuda() {
-        return dims.kv_heads > 1 && dims.group_size() > crate::cuda::MAX_GROUP;
-    }
-    let _ = (device, dims);
-    false
+/// Whether these sizes are wider than a CUDA block and `q` is on CUDA.
+fn wide_on_cuda(device: &Device, dims: &DecodeDims) -> bool {
+    device.is_cuda() && wide_groups::is_wide(dims)
 }
 
 /// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
@@ -331,36 +341,41 @@ impl CustomOp3 for SplitKvAttention {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::DType;
 
-    /// The per-kv-head path (taken on CUDA for wide groups) joins its calls' outputs and LSEs in
-    /// head order: run on the CPU, it must match the one-call result.
+    /// The wide-group path (taken on CUDA) pads, cuts back and joins its calls' outputs and LSEs
+    /// in head order: run on the CPU, it must match the one-call result.
     #[test]
-    fn per_kv_head_calls_join_in_head_order() -> Result<()> {
-        let (b, q_heads, kv_heads, d, len) = (2, 34, 2, 64, 300);
-        let q = Tensor::randn(0f32, 1.0, (b, 1, q_heads, d), &Device::Cpu)?;
-        let k = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
-        let v = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
-        let op = SplitKvAttention::new(0.125).with_num_splits(Some(3));
-        let dims = validate::check_tensors(&q, &k, &v)?;
-        let (want, want_lse) = op.forward_with_lse(&q, &k, &v)?;
+    fn wide_group_calls_match_one_call() -> Result<()> {
+        // 34/2 pads each kv head's 17 query heads to 18, 71/1 pads to 75, 48/1 needs none.
+        for (b, q_heads, kv_heads, d, len) in [
+            (2, 34, 2, 64, 300),
+            (1, 71, 1, 64, 200),
+            (2, 48, 1, 128, 100),
+        ] {
+            let q = Tensor::randn(0f32, 1.0, (b, 1, q_heads, d), &Device::Cpu)?;
+            let k = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
+            let v = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
+            let op = SplitKvAttention::new(0.125).with_num_splits(Some(3));
+            let dims = validate::check_tensors(&q, &k, &v)?;
+            let (want, want_lse) = op.forward_with_lse(&q, &k, &v)?;
 
-        let slot: LseSlot = Arc::default();
-        let with_slot = SplitKvAttention {
-            lse_slot: Some(slot.clone()),
-            ..op.clone()
-        };
-        let got = with_slot.forward_per_kv_head(&q, &k, &v, &dims)?;
-        let got_lse = take_lse(&slot)?;
-        assert_eq!(got.dims(), want.dims());
-        assert_eq!(got_lse.dims(), want_lse.dims());
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let lse_diff = (got_lse - want_lse)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5 && lse_diff < 1e-5, "{diff} {lse_diff}");
-        assert_eq!(
-            op.forward_per_kv_head(&q, &k, &v, &dims)?.dtype(),
-            DType::F32
-        );
+            let slot: LseSlot = Arc::default();
+            let with_slot = SplitKvAttention {
+                lse_slot: Some(slot.clone()),
+                ..op.clone()
+            };
+            let got = with_slot.forward_wide_group(&q, &k, &v, &dims)?;
+            let got_lse = take_lse(&slot)?;
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(got_lse.dims(), want_lse.dims());
+            assert!(got.is_contiguous() && got_lse.is_contiguous());
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let lse_diff = (got_lse - want_lse)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5 && lse_diff < 1e-5,
+                "{q_heads}/{kv_heads}: {diff} {lse_diff}"
+            );
+        }
         Ok(())
     }
 }

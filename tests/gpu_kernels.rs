@@ -481,9 +481,10 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     Ok(())
 }
 
-/// Groups wider than a CTA holds. A single kv head runs as several virtual kv heads reading its K
-/// and V: 48 (3 × 16), 20 (2 × 10), 71 and 17 (prime: one query head each). More kv heads run one
-/// at a time: 2 × 17, 2 × 32.
+/// Groups wider than a CUDA block holds. A single kv head runs as blocks of query heads that
+/// all read its K and V: 48 (3 × 16), 20 (2 × 10), 71 (padded to 5 × 15), 17 (padded to 2 × 9).
+/// More kv heads run one at a time: 2 × 17 (each padded), 2 × 32. Called directly, without
+/// `forward`'s split into blocks, such a group is an error.
 #[test]
 fn gpu_wide_groups() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -511,6 +512,17 @@ fn gpu_wide_groups() -> Result<()> {
             }
         }
     }
+    let case = Case {
+        b: 1,
+        h_q: 71,
+        h_kv: 1,
+        d: 64,
+        l: 100,
+        dtype: DType::BF16,
+    };
+    let (q, k, v) = common::random_qkv(&case, &dev)?;
+    let direct = q.apply_op3(&k, &v, SplitKvAttention::new(case.scale()));
+    assert!(direct.is_err(), "a 71-head block launched directly");
     println!("gpu_wide_groups: {count} cases passed");
     Ok(())
 }

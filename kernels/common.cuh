@@ -25,6 +25,7 @@ struct DecodeParams {
     int num_splits, chunk_size;
     float scale_log2;       // softmax_scale * log2(e)
     int merge;              // how the splits of each (b, kv head) are merged: SplitMerge
+    int blocks_per_kv_head; // kv heads here are blocks of query heads; K/V head = kv_head / this
 };
 
 // Must match `SplitMerge` in src/cuda.rs. With one split the partial pass writes the output.

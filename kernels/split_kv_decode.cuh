@@ -87,8 +87,9 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     }
 
     T* ring = reinterpret_cast<T*>(smem) + (size_t)warp * STAGES * (Cfg::kStageBytes / sizeof(T));
-    const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride;
-    const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride;
+    const int kv_source = kv_head / p.blocks_per_kv_head;  // the K/V head this block of queries reads
+    const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_source * p.k_head_stride;
+    const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_source * p.v_head_stride;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
     auto load_tile = [&](int n) {

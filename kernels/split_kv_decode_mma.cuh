@@ -132,7 +132,8 @@ __device__ __forceinline__ int piece_offset(int row, int piece) {
     return row * MmaTiling<D, GMAX>::kRowBytes + piece_slot<D, GMAX>(row, piece) * 16;
 }
 
-// One work item: a (split, kv head, batch) and the part of its chunk that exists.
+// One work item: a (split, kv head, batch) and the part of its chunk that exists. A "kv head"
+// is a block of at most GMAX query heads; wide groups have several per K/V head.
 struct MmaItem {
     int split, kv_head, b;
     int start, end;   // positions [start, end) of this split
@@ -162,10 +163,11 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    const int kv_source = it.kv_head / p.blocks_per_kv_head;  // the K/V head this block reads
     it.k = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + it.b * p.k_batch_stride +
-                                         it.kv_head * p.k_head_stride);
+                                         kv_source * p.k_head_stride);
     it.v = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + it.b * p.v_batch_stride +
-                                         it.kv_head * p.v_head_stride);
+                                         kv_source * p.v_head_stride);
     return it;
 }
 

@@ -15,7 +15,7 @@ use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
 use crate::split_counters::{split_counters, SPLIT_COUNTERS};
 use crate::validate::{self, DecodeDims, RowStrides};
-use crate::wide_groups::{virtual_kv_heads, MAX_GROUP};
+use crate::wide_groups::{query_blocks, MAX_GROUP};
 
 const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
 const DECODE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_bf16.ptx"));
@@ -74,6 +74,7 @@ struct DecodeParams {
     chunk_size: i32,
     scale_log2: f32,
     merge: SplitMerge,
+    blocks_per_kv_head: i32,
 }
 
 /// How the splits of each (batch, kv head) are merged; must match `SplitMerge` in
@@ -449,7 +450,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    Ok(prepare(op, dev, dtype, &virtual_kv_heads(*dims)?)?.1)
+    Ok(prepare(op, dev, dtype, &query_blocks(*dims)?.0)?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -484,7 +485,7 @@ fn launch<T: CudaDType + DeviceRepr>(
 ) -> Result<(CudaStorage, Shape)> {
     let dev = q.device().clone();
     let elem_bytes = std::mem::size_of::<T>();
-    let (q_strides, mut k_strides, mut v_strides) = (
+    let (q_strides, k_strides, v_strides) = (
         RowStrides::of(q_layout),
         RowStrides::of(k_layout),
         RowStrides::of(v_layout),
@@ -492,14 +493,8 @@ fn launch<T: CudaDType + DeviceRepr>(
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
-    let dims = {
-        let virtual_dims = virtual_kv_heads(dims)?;
-        if virtual_dims.kv_heads != dims.kv_heads {
-            k_strides.head = 0;
-            v_strides.head = 0;
-        }
-        virtual_dims
-    };
+    // From here on a "kv head" is a block of query heads (see `wide_groups`).
+    let (dims, blocks_per_kv_head) = query_blocks(dims)?;
     if dims.kv_len > i32::MAX as usize {
         bail!(
             "split-kv attention: kv_len {} exceeds {}",
@@ -634,6 +629,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
         scale_log2: op.softmax_scale * std::f32::consts::LOG2_E,
         merge,
+        blocks_per_kv_head: blocks_per_kv_head as i32,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

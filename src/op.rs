@@ -88,53 +88,48 @@ impl SplitKvAttention {
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
         }
-        if wide_on_cuda(q.device(), &dims) {
-            return self.forward_wide_group(q, k, v, &dims);
+        if cuda_needs_padding(q.device(), &dims) {
+            return self.forward_padded(q, k, v, &dims);
         }
         q.apply_op3(k, v, self.clone())
     }
 
-    /// Groups wider than a CUDA block (see `wide_groups`): one call per kv head, its query heads
-    /// padded with zero heads so that they split into equal blocks; the padding's outputs and LSEs
-    /// are dropped and the kv heads' results joined in head order.
-    fn forward_wide_group(
+    /// Groups wider than a CUDA block that its blocks do not divide (see `wide_groups`): each kv
+    /// head's query heads are padded with zero heads, and the padding's outputs and LSEs dropped.
+    fn forward_padded(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         dims: &DecodeDims,
     ) -> Result<Tensor> {
-        let group = dims.group_size();
-        let padding = wide_groups::padded_group(group) - group;
-        let mut outs = Vec::with_capacity(dims.kv_heads);
-        let mut lses = Vec::with_capacity(dims.kv_heads);
-        for head in 0..dims.kv_heads {
-            let slot: Option<LseSlot> = self.lse_slot.as_ref().map(|_| Arc::default());
-            let op = Self {
-                lse_slot: slot.clone(),
-                ..self.clone()
-            };
-            let mut q_head = q.narrow(2, head * group, group)?;
-            if padding > 0 {
-                let zeros = Tensor::zeros(
-                    (dims.batch, 1, padding, dims.head_dim),
-                    q.dtype(),
-                    q.device(),
-                )?;
-                q_head = Tensor::cat(&[&q_head, &zeros], 2)?;
-            }
-            let (k_head, v_head) = (k.narrow(2, head, 1)?, v.narrow(2, head, 1)?);
-            outs.push(
-                q_head
-                    .apply_op3(&k_head, &v_head, op)?
-                    .narrow(2, 0, group)?,
-            );
-            if let Some(slot) = slot {
-                lses.push(take_lse(&slot)?.narrow(1, 0, group)?);
-            }
+        let (b, h_kv, group, d) = (dims.batch, dims.kv_heads, dims.group_size(), dims.head_dim);
+        let padded = wide_groups::padded_group(group);
+        let zeros = Tensor::zeros((b, h_kv, padded - group, d), q.dtype(), q.device())?;
+        let q_padded = Tensor::cat(&[&q.reshape((b, h_kv, group, d))?, &zeros], 2)?.reshape((
+            b,
+            1,
+            h_kv * padded,
+            d,
+        ))?;
+        let slot: Option<LseSlot> = self.lse_slot.as_ref().map(|_| Arc::default());
+        let op = Self {
+            lse_slot: slot.clone(),
+            ..self.clone()
+        };
+        let out = q_padded.apply_op3(k, v, op)?;
+        if let Some(slot) = slot {
+            let lse = take_lse(&slot)?.reshape((b, h_kv, padded))?;
+            self.deliver_lse(|| {
+                lse.narrow(2, 0, group)?
+                    .contiguous()?
+                    .reshape((b, h_kv * group, 1))
+            })?;
         }
-        self.deliver_lse(|| Tensor::cat(&lses, 1)?.contiguous())?;
-        Tensor::cat(&outs, 2)?.contiguous()
+        out.reshape((b, h_kv, padded, d))?
+            .narrow(2, 0, group)?
+            .contiguous()?
+            .reshape((b, 1, h_kv * group, d))
     }
 
     /// Runs the op and also returns the log-sum-exp of the scaled scores, f32 `(batch, q_heads, 1)`
@@ -152,14 +147,13 @@ impl SplitKvAttention {
     /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
-    /// Groups wider than a CUDA block, which run one kv head at a time (see
-    /// [`SplitKvAttention::forward`]), report the plan of each such call.
+    /// Groups wider than a CUDA block report the plan of their padded call (see
+    /// [`SplitKvAttention::forward`]).
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let mut dims = validate::check_tensors(q, k, k)?;
-        if wide_on_cuda(q.device(), &dims) {
+        if cuda_needs_padding(q.device(), &dims) {
             dims = DecodeDims {
-                q_heads: wide_groups::padded_group(dims.group_size()),
-                kv_heads: 1,
+                q_heads: dims.kv_heads * wide_groups::padded_group(dims.group_size()),
                 ..dims
             };
         }
@@ -265,9 +259,9 @@ fn take_lse(slot: &LseSlot) -> Result<Tensor> {
     }
 }
 
-/// Whether these sizes are wider than a CUDA block and `q` is on CUDA.
-fn wide_on_cuda(device: &Device, dims: &DecodeDims) -> bool {
-    device.is_cuda() && wide_groups::is_wide(dims)
+/// Whether `q` is on CUDA and its group is wider than a block and not divided by its blocks.
+fn cuda_needs_padding(device: &Device, dims: &DecodeDims) -> bool {
+    device.is_cuda() && wide_groups::needs_padding(dims)
 }
 
 /// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
@@ -364,7 +358,7 @@ mod tests {
                 lse_slot: Some(slot.clone()),
                 ..op.clone()
             };
-            let got = with_slot.forward_wide_group(&q, &k, &v, &dims)?;
+            let got = with_slot.forward_padded(&q, &k, &v, &dims)?;
             let got_lse = take_lse(&slot)?;
             assert_eq!(got.dims(), want.dims());
             assert_eq!(got_lse.dims(), want_lse.dims());

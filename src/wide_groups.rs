@@ -2,11 +2,10 @@
 //! heads on one kv head) or gpt_bigcode (48).
 //!
 //! A block of the CUDA kernels holds up to [`MAX_GROUP`] query heads of one kv head, the M
-//! dimension of its tensor-core tiles. A wider group on a single kv head runs as
-//! `⌈group / MAX_GROUP⌉` virtual kv heads that all read that head's K and V (a head stride of 0),
-//! so one launch still covers it. Virtual heads must hold equal numbers of query heads, so a group
-//! they do not divide is padded with zero query heads whose outputs are dropped. Wide groups over
-//! several kv heads run one kv head per call.
+//! dimension of its tensor-core tiles. A wider group runs as `⌈group / MAX_GROUP⌉` blocks of
+//! query heads per kv head, which the kernels treat as kv heads of their own that read the same
+//! K and V, so one launch covers every group. Blocks must hold equal numbers of query heads, so a
+//! group they do not divide is padded with zero query heads whose outputs are dropped.
 
 use candle_core::{bail, Result};
 
@@ -15,46 +14,44 @@ use crate::validate::DecodeDims;
 /// Query heads one CUDA block holds at most: the largest compiled group bucket.
 pub(crate) const MAX_GROUP: usize = 16;
 
-/// Whether these sizes need more than one block per kv head on CUDA.
-pub(crate) fn is_wide(dims: &DecodeDims) -> bool {
-    dims.group_size() > MAX_GROUP
-}
-
-/// Virtual kv heads that one kv head with `group` query heads runs as.
-fn virtual_heads(group: usize) -> usize {
+/// Blocks that one kv head with `group` query heads runs as.
+fn blocks_per_kv_head(group: usize) -> usize {
     group.div_ceil(MAX_GROUP).max(1)
 }
 
-/// Query heads of one kv head after padding: the smallest multiple of its virtual heads that holds
-/// the group (the group itself when they divide it).
+/// Query heads of one kv head after padding: the smallest multiple of its blocks that holds the
+/// group (the group itself when they divide it).
 pub(crate) fn padded_group(group: usize) -> usize {
-    let parts = virtual_heads(group);
-    parts * group.div_ceil(parts)
+    let blocks = blocks_per_kv_head(group);
+    blocks * group.div_ceil(blocks)
 }
 
-/// The sizes the kernels see: a single kv head whose group (already padded) is wider than a block
-/// becomes its virtual kv heads; query head `v * (group / parts) + i` is member `i` of virtual
-/// head `v`, as the kernels number them. Sizes within a block pass through.
+/// Whether a group needs zero query heads added before the CUDA kernels can run it.
+pub(crate) fn needs_padding(dims: &DecodeDims) -> bool {
+    padded_group(dims.group_size()) != dims.group_size()
+}
+
+/// The sizes the kernels see, and the blocks per kv head: every kv head of a group (already
+/// padded) wider than a block becomes its blocks, block `j` of kv head `h` holding query heads
+/// `h * group + j * (group / blocks) ..` in order, which is how the kernels number the query
+/// heads of a kv head. Groups within a block pass through with one block per kv head.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA launch is its caller
-pub(crate) fn virtual_kv_heads(dims: DecodeDims) -> Result<DecodeDims> {
+pub(crate) fn query_blocks(dims: DecodeDims) -> Result<(DecodeDims, usize)> {
     let group = dims.group_size();
-    if group <= MAX_GROUP {
-        return Ok(dims);
-    }
-    let parts = virtual_heads(group);
-    if dims.kv_heads != 1 || !group.is_multiple_of(parts) {
+    let blocks = blocks_per_kv_head(group);
+    if !group.is_multiple_of(blocks) {
         bail!(
-            "split-kv attention: a CUDA block holds up to {MAX_GROUP} query heads per kv head, got \
-             {} query heads on {} kv heads; run it through SplitKvAttention::forward, which splits \
-             wider groups into blocks",
-            dims.q_heads,
-            dims.kv_heads
+            "split-kv attention: a CUDA block holds up to {MAX_GROUP} query heads per kv head, and \
+             {group} do not split into equal blocks; run it through SplitKvAttention::forward, \
+             which pads the group to {}",
+            padded_group(group)
         )
     }
-    Ok(DecodeDims {
-        kv_heads: parts,
+    let kernel_dims = DecodeDims {
+        kv_heads: dims.kv_heads * blocks,
         ..dims
-    })
+    };
+    Ok((kernel_dims, blocks))
 }
 
 #[cfg(test)]
@@ -73,7 +70,7 @@ mod tests {
 
     #[test]
     fn groups_pad_to_equal_blocks() {
-        // group → padded group (virtual heads × heads each)
+        // group → padded group (blocks × heads each)
         for (group, want) in [
             (1, 1),
             (16, 16),
@@ -88,23 +85,33 @@ mod tests {
         ] {
             let padded = padded_group(group);
             assert_eq!(padded, want, "group {group}");
-            let parts = virtual_heads(group);
-            assert!(padded / parts <= MAX_GROUP && padded - group < parts);
+            let blocks = blocks_per_kv_head(group);
+            assert!(padded / blocks <= MAX_GROUP && padded - group < blocks);
+            assert_eq!(needs_padding(&dims(group * 2, 2)), padded != group);
         }
     }
 
     #[test]
-    fn padded_multi_query_groups_become_virtual_kv_heads() -> Result<()> {
-        for (q_heads, want) in [(16, 1), (18, 2), (48, 3), (75, 5), (1, 1)] {
-            let got = virtual_kv_heads(dims(q_heads, 1))?;
-            assert_eq!(got.kv_heads, want, "{q_heads}/1");
+    fn wide_groups_become_blocks() -> Result<()> {
+        // (q heads, kv heads) → (kernel kv heads, blocks per kv head)
+        for (q_heads, kv_heads, want) in [
+            (16, 1, (1, 1)),
+            (32, 8, (8, 1)),
+            (18, 1, (2, 2)),
+            (48, 1, (3, 3)),
+            (75, 1, (5, 5)),
+            (64, 2, (4, 2)),
+            (36, 2, (4, 2)),
+            (1, 1, (1, 1)),
+        ] {
+            let (got, blocks) = query_blocks(dims(q_heads, kv_heads))?;
+            assert_eq!((got.kv_heads, blocks), want, "{q_heads}/{kv_heads}");
             assert_eq!(got.q_heads, q_heads);
             assert!(got.group_size() <= MAX_GROUP);
         }
-        assert_eq!(virtual_kv_heads(dims(32, 8))?.kv_heads, 8);
-        // Unpadded or over several kv heads: an error naming the way round.
-        for (q_heads, kv_heads) in [(71, 1), (17, 1), (64, 2)] {
-            let err = virtual_kv_heads(dims(q_heads, kv_heads)).unwrap_err();
+        // Unpadded: an error naming the way round.
+        for (q_heads, kv_heads) in [(71, 1), (17, 1), (34, 2)] {
+            let err = query_blocks(dims(q_heads, kv_heads)).unwrap_err();
             assert!(
                 err.to_string().contains("SplitKvAttention::forward"),
                 "{err}"

@@ -481,10 +481,10 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     Ok(())
 }
 
-/// Groups wider than a CUDA block holds. A single kv head runs as blocks of query heads that
-/// all read its K and V: 48 (3 × 16), 20 (2 × 10), 71 (padded to 5 × 15), 17 (padded to 2 × 9).
-/// More kv heads run one at a time: 2 × 17 (each padded), 2 × 32. Called directly, without
-/// `forward`'s split into blocks, such a group is an error.
+/// Groups wider than a CUDA block holds run as several blocks of query heads per kv head, all
+/// reading its K and V in one launch: 48 (3 × 16), 20 (2 × 10), 2 × 32 (2 × 2 × 16), 2 × 48;
+/// groups the blocks do not divide are padded: 71 (5 × 15), 17 (2 × 9), 2 × 17 (2 × 2 × 9).
+/// Called directly, without `forward`'s padding, such a group is an error.
 #[test]
 fn gpu_wide_groups() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -496,6 +496,7 @@ fn gpu_wide_groups() -> Result<()> {
         (1, 17, 1, 64, 300),
         (2, 34, 2, 128, 900),
         (1, 64, 2, 64, 2000),
+        (2, 96, 2, 128, 1500),
     ] {
         for dtype in DTYPES {
             let case = Case {

@@ -151,8 +151,9 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
                 sum += w;
             }
         }
-        const long long row = (long long)b * p.q_heads + kv_head * group + g;
-        static_cast<T*>(p.out)[row * D + c] = from_float<T>(sum > 0.f ? value / sum : 0.f);
+        const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
+        if (row < 0) return;  // a padding head
+        static_cast<T*>(p.out)[(long long)row * D + c] = from_float<T>(sum > 0.f ? value / sum : 0.f);
         if (c == 0 && p.lse_out != nullptr)
             p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
         return;
@@ -187,8 +188,9 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
             }
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        const long long row = (long long)b * p.q_heads + kv_head * group + g;
-        store4(static_cast<T*>(p.out) + row * D + c,
+        const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
+        if (row < 0) continue;  // a padding head
+        store4(static_cast<T*>(p.out) + (long long)row * D + c,
                make_float4(value.x * inv, value.y * inv, value.z * inv, value.w * inv));
         if (c == 0 && p.lse_out != nullptr)
             p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;

@@ -40,14 +40,15 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     // Let the next kernel (e.g. the output projection) start streaming its weights early.
     allow_dependent_launch();
     wait_for_prerequisite_grid();
-    const int row = blockIdx.x;
+    const int row = blockIdx.x;  // the caller's numbering; the partials are padded
+    const int partial_row = padded_row(row, p.padded_group, p.real_group);
     const int splits = p.num_splits, d = p.head_dim;
     const int groups = d / 4;                     // 4-column groups per row
     const int lanes = kCombineThreads / groups;   // split lanes
     if (d % 4 != 0 || lanes == 0) __trap();       // head dims are multiples of 16, at most 256
     const int group = threadIdx.x % groups, lane = threadIdx.x / groups;
-    const float* lse = p.partial_lse + (long long)row * splits;
-    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (long long)row * splits * d);
+    const float* lse = p.partial_lse + (long long)partial_row * splits;
+    const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (long long)partial_row * splits * d);
 
     Folded f;
     if (lane < lanes) {

@@ -26,6 +26,8 @@ struct DecodeParams {
     float scale_log2;       // softmax_scale * log2(e)
     int merge;              // how the splits of each (b, kv head) are merged: SplitMerge
     int blocks_per_kv_head; // kv heads here are blocks of query heads; K/V head = kv_head / this
+    int padded_group;       // query heads per K/V head as numbered here (see real_row)
+    int real_group;         // of which the first real_group exist in q, out and lse_out
 };
 
 // Must match `SplitMerge` in src/cuda.rs. With one split the partial pass writes the output.
@@ -41,11 +43,28 @@ struct CombineParams {
     const float* partial_lse;
     void* out;
     float* lse_out;  // or null
-    int rows;        // b * h_q
+    int rows;        // b * h_q, the caller's query heads
     int num_splits;
     int head_dim;
+    int padded_group;  // as in DecodeParams: the partials are numbered with padding
+    int real_group;
     int reserved;
 };
+
+// Wide groups are padded to equal blocks of query heads (src/wide_groups.rs): the kernels number
+// the query heads of each (batch, K/V head) as a run of padded_group, of which the first
+// real_group exist in the caller's q, out and LSE. Row `padded` of that numbering in the
+// caller's tensors, or -1 for a padding head; without padding the two numberings agree.
+__device__ __forceinline__ int real_row(int padded, int padded_group, int real_group) {
+    const int run = padded / padded_group, i = padded - run * padded_group;
+    return i < real_group ? run * real_group + i : -1;
+}
+
+// The inverse: row `real` of the caller's tensors in the kernels' numbering.
+__device__ __forceinline__ int padded_row(int real, int padded_group, int real_group) {
+    const int run = real / real_group;
+    return run * padded_group + (real - run * real_group);
+}
 
 // Both partial kernels run four independently streaming warps per CTA.
 constexpr int kWarps = 4;

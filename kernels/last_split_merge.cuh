@@ -46,6 +46,8 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
     for (int i = threadIdx.x; i < group * QUADS; i += kThreads) {
         const int g = i / QUADS, quad = i - g * QUADS;
         const long long row = (long long)b * p.q_heads + kv_head * group + g;
+        const int out_row = real_row((int)row, p.padded_group, p.real_group);
+        if (out_row < 0) continue;  // a padding head
         // L2 reads (ld.global.cg): the partials were written by other SMs.
         const float* lse = p.partial_lse + row * splits;
         const float4* partial = reinterpret_cast<const float4*>(p.partial_out + row * splits * D);
@@ -82,9 +84,9 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
             max = new_max;
         }
         const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        store4(static_cast<T*>(p.out) + row * D + quad * 4,
+        store4(static_cast<T*>(p.out) + (long long)out_row * D + quad * 4,
                make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
         if (quad == 0 && p.lse_out != nullptr)
-            p.lse_out[row] = sum > 0.f ? (max + __log2f(sum)) * kLn2 : -INFINITY;
+            p.lse_out[out_row] = sum > 0.f ? (max + __log2f(sum)) * kLn2 : -INFINITY;
     }
 }

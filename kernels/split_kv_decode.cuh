@@ -70,18 +70,25 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     float q_reg[Cfg::kQInRegisters ? GMAX : 1][8];
     float* q_s = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+    // Query head g of this block in q, or -1 past the group or for a padding head.
+    auto q_head = [&](int g) {
+        return g < group ? real_row(kv_head * group + g, p.padded_group, p.real_group) : -1;
+    };
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
-        for (int g = 0; g < GMAX; ++g)
+        for (int g = 0; g < GMAX; ++g) {
+            const int h = q_head(g);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                q_reg[g][j] = (g < group && active)
-                    ? to_float(q[(long long)(kv_head * group + g) * p.q_head_stride + chunk * 8 + j]) * p.scale_log2
+                q_reg[g][j] = (h >= 0 && active)
+                    ? to_float(q[(long long)h * p.q_head_stride + chunk * 8 + j]) * p.scale_log2
                     : 0.f;
+        }
     } else {
         for (int i = tid; i < GMAX * D; i += kThreads) {
             const int g = i / D, c = i - g * D;
-            q_s[i] = g < group ? to_float(q[(long long)(kv_head * group + g) * p.q_head_stride + c]) * p.scale_log2 : 0.f;
+            const int h = q_head(g);
+            q_s[i] = h >= 0 ? to_float(q[(long long)h * p.q_head_stride + c]) * p.scale_log2 : 0.f;
         }
         __syncthreads();
     }

@@ -279,22 +279,27 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         }
     };
 
-    // Q as A fragments, one set per k-step; heads past the group are zero.
+    // Q as A fragments, one set per k-step; heads past the group, and padding heads, are zero.
     uint32_t q_frag[KSTEPS][4];
     auto load_q = [&](const MmaItem& it) {
         const T* q = static_cast<const T*>(p.q) + it.b * p.q_batch_stride;
-        auto q_pair = [&](int head, int col) -> uint32_t {
-            if (head >= group) return 0u;
-            return *reinterpret_cast<const uint32_t*>(
-                q + (long long)(it.kv_head * group + head) * p.q_head_stride + col);
+        auto head_row = [&](int head) -> const T* {
+            if (head >= group) return nullptr;
+            const int real = real_row(it.kv_head * group + head, p.padded_group, p.real_group);
+            return real < 0 ? nullptr : q + (long long)real * p.q_head_stride;
+        };
+        const T* lo = head_row(quad_row);
+        const T* hi = kUpper ? head_row(quad_row + 8) : nullptr;
+        auto q_pair = [](const T* row, int col) -> uint32_t {
+            return row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + col);
         };
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             const int col = ks * 16 + quad_col * 2;
-            q_frag[ks][0] = q_pair(quad_row, col);
-            q_frag[ks][1] = kUpper ? q_pair(quad_row + 8, col) : 0u;
-            q_frag[ks][2] = q_pair(quad_row, col + 8);
-            q_frag[ks][3] = kUpper ? q_pair(quad_row + 8, col + 8) : 0u;
+            q_frag[ks][0] = q_pair(lo, col);
+            q_frag[ks][1] = q_pair(hi, col);
+            q_frag[ks][2] = q_pair(lo, col + 8);
+            q_frag[ks][3] = q_pair(hi, col + 8);
         }
     };
 

@@ -56,8 +56,11 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         }
         const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
         if (single) {
-            store4(static_cast<T*>(p.out) + row_index * D + c, value);
-            if (c == 0 && p.lse_out != nullptr) p.lse_out[row_index] = lse2 * kLn2;
+            const int row = real_row((int)row_index, p.padded_group, p.real_group);
+            if (row >= 0) {
+                store4(static_cast<T*>(p.out) + (long long)row * D + c, value);
+                if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = lse2 * kLn2;
+            }
         } else if (cluster_receive != nullptr) {
             push_slice_to_owner<D, GMAX>(cluster_receive, group, p.num_splits, split, i, g, value,
                                          c == 0, lse2);

@@ -75,6 +75,8 @@ struct DecodeParams {
     scale_log2: f32,
     merge: SplitMerge,
     blocks_per_kv_head: i32,
+    padded_group: i32,
+    real_group: i32,
 }
 
 /// How the splits of each (batch, kv head) are merged; must match `SplitMerge` in
@@ -110,6 +112,8 @@ struct CombineParams {
     rows: i32,
     num_splits: i32,
     head_dim: i32,
+    padded_group: i32,
+    real_group: i32,
     reserved: i32,
 }
 
@@ -450,7 +454,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    Ok(prepare(op, dev, dtype, &query_blocks(*dims)?.0)?.1)
+    Ok(prepare(op, dev, dtype, &query_blocks(*dims).dims)?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -493,8 +497,11 @@ fn launch<T: CudaDType + DeviceRepr>(
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
-    // From here on a "kv head" is a block of query heads (see `wide_groups`).
-    let (dims, blocks_per_kv_head) = query_blocks(dims)?;
+    // From here on a "kv head" is a block of query heads, and wide groups are padded (see
+    // `wide_groups`); the output and the LSE keep the caller's heads.
+    let real_rows = dims.batch * dims.q_heads;
+    let blocks = query_blocks(dims);
+    let dims = blocks.dims;
     if dims.kv_len > i32::MAX as usize {
         bail!(
             "split-kv attention: kv_len {} exceeds {}",
@@ -554,21 +561,21 @@ fn launch<T: CudaDType + DeviceRepr>(
         _ => kernel.func.clone(),
     };
 
-    let rows = dims.batch * dims.q_heads;
+    let padded_rows = dims.batch * dims.q_heads;
     // Every allocation is a node in a captured graph, so allocate only what this call needs: the
     // LSE when the caller asked for it, and one scratch buffer (partial outputs, then their LSEs)
     // when the splits merge through memory (the combine pass or the last CTA).
     // SAFETY (all three): every element is written by the partial kernel (one split, or a
     // cluster or last-CTA merge) or the combine kernel before anything reads it; the tests
     // poison them to prove it.
-    let out = unsafe { dev.alloc::<T>(rows * dims.head_dim)? };
+    let out = unsafe { dev.alloc::<T>(real_rows * dims.head_dim)? };
     let lse = if op.wants_lse() {
-        Some(unsafe { dev.alloc::<f32>(rows)? })
+        Some(unsafe { dev.alloc::<f32>(real_rows)? })
     } else {
         None
     };
     let scratch = if plan.num_splits > 1 && merge != SplitMerge::InCluster {
-        Some(unsafe { dev.alloc::<f32>(rows * plan.num_splits * (dims.head_dim + 1))? })
+        Some(unsafe { dev.alloc::<f32>(padded_rows * plan.num_splits * (dims.head_dim + 1))? })
     } else {
         None
     };
@@ -584,7 +591,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     let lse_ptr = lse.as_ref().map_or(0, |l| device_ptr(l, &dev, 0));
     let partial_out_ptr = scratch.as_ref().map_or(0, |s| device_ptr(s, &dev, 0));
     let partial_lse_ptr = scratch.as_ref().map_or(0, |s| {
-        device_ptr(s, &dev, rows * plan.num_splits * dims.head_dim)
+        device_ptr(s, &dev, padded_rows * plan.num_splits * dims.head_dim)
     });
 
     let seqlens_guard;
@@ -629,7 +636,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
         scale_log2: op.softmax_scale * std::f32::consts::LOG2_E,
         merge,
-        blocks_per_kv_head: blocks_per_kv_head as i32,
+        blocks_per_kv_head: blocks.blocks_per_kv_head as i32,
+        padded_group: blocks.padded_group as i32,
+        real_group: blocks.real_group as i32,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and
@@ -648,18 +657,20 @@ fn launch<T: CudaDType + DeviceRepr>(
             partial_lse: partial_lse_ptr,
             out: device_ptr(&out, &dev, 0),
             lse_out: lse_ptr,
-            rows: rows as i32,
+            rows: real_rows as i32,
             num_splits: plan.num_splits as i32,
             head_dim: dims.head_dim as i32,
+            padded_group: blocks.padded_group as i32,
+            real_group: blocks.real_group as i32,
             reserved: 0,
         };
         let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
+            grid_dim: (real_rows as u32, 1, 1),
             block_dim: (COMBINE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: `split_kv_combine_*` takes one `CombineParams`; it reads the partial buffers
-        // written above and writes `rows` outputs.
+        // written above and writes `real_rows` outputs.
         unsafe { launch_dependent(&combine, &dev, cfg, None, &params)? };
     }
     drop(scratch);
@@ -671,7 +682,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
         Ok(Tensor::from_storage(
             storage,
-            (dims.batch, dims.q_heads, 1),
+            (dims.batch, real_rows / dims.batch, 1),
             candle_core::op::BackpropOp::none(),
             false,
         ))

@@ -8,7 +8,6 @@ use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Te
 use crate::cpu::{self, DecodeInputs, Element};
 use crate::plan::{self, SplitPlan};
 use crate::validate::{self, DecodeDims, RowStrides};
-use crate::wide_groups;
 
 /// Where a call that asked for the LSE finds it once the op has run.
 type LseSlot = Arc<Mutex<Option<Tensor>>>;
@@ -88,48 +87,7 @@ impl SplitKvAttention {
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
         }
-        if cuda_needs_padding(q.device(), &dims) {
-            return self.forward_padded(q, k, v, &dims);
-        }
         q.apply_op3(k, v, self.clone())
-    }
-
-    /// Groups wider than a CUDA block that its blocks do not divide (see `wide_groups`): each kv
-    /// head's query heads are padded with zero heads, and the padding's outputs and LSEs dropped.
-    fn forward_padded(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        dims: &DecodeDims,
-    ) -> Result<Tensor> {
-        let (b, h_kv, group, d) = (dims.batch, dims.kv_heads, dims.group_size(), dims.head_dim);
-        let padded = wide_groups::padded_group(group);
-        let zeros = Tensor::zeros((b, h_kv, padded - group, d), q.dtype(), q.device())?;
-        let q_padded = Tensor::cat(&[&q.reshape((b, h_kv, group, d))?, &zeros], 2)?.reshape((
-            b,
-            1,
-            h_kv * padded,
-            d,
-        ))?;
-        let slot: Option<LseSlot> = self.lse_slot.as_ref().map(|_| Arc::default());
-        let op = Self {
-            lse_slot: slot.clone(),
-            ..self.clone()
-        };
-        let out = q_padded.apply_op3(k, v, op)?;
-        if let Some(slot) = slot {
-            let lse = take_lse(&slot)?.reshape((b, h_kv, padded))?;
-            self.deliver_lse(|| {
-                lse.narrow(2, 0, group)?
-                    .contiguous()?
-                    .reshape((b, h_kv * group, 1))
-            })?;
-        }
-        out.reshape((b, h_kv, padded, d))?
-            .narrow(2, 0, group)?
-            .contiguous()?
-            .reshape((b, 1, h_kv * group, d))
     }
 
     /// Runs the op and also returns the log-sum-exp of the scaled scores, f32 `(batch, q_heads, 1)`
@@ -141,22 +99,21 @@ impl SplitKvAttention {
             ..self.clone()
         };
         let out = op.forward(q, k, v)?;
-        Ok((out, take_lse(&slot)?))
+        let lse = slot
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into()))?
+            .take();
+        match lse {
+            Some(lse) => Ok((out, lse)),
+            None => bail!("split-kv attention: the backend did not produce an LSE"),
+        }
     }
 
     /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
-    /// Groups wider than a CUDA block report the plan of their padded call (see
-    /// [`SplitKvAttention::forward`]).
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
-        let mut dims = validate::check_tensors(q, k, k)?;
-        if cuda_needs_padding(q.device(), &dims) {
-            dims = DecodeDims {
-                q_heads: dims.kv_heads * wide_groups::padded_group(dims.group_size()),
-                ..dims
-            };
-        }
+        let dims = validate::check_tensors(q, k, k)?;
         match q.device() {
             Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots(), plan::MIN_CHUNK)),
             #[cfg(feature = "cuda")]
@@ -247,23 +204,6 @@ impl SplitKvAttention {
     }
 }
 
-/// Takes the LSE a call left in `slot`.
-fn take_lse(slot: &LseSlot) -> Result<Tensor> {
-    let lse = slot
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into()))?
-        .take();
-    match lse {
-        Some(lse) => Ok(lse),
-        None => bail!("split-kv attention: the backend did not produce an LSE"),
-    }
-}
-
-/// Whether `q` is on CUDA and its group is wider than a block and not divided by its blocks.
-fn cuda_needs_padding(device: &Device, dims: &DecodeDims) -> bool {
-    device.is_cuda() && wide_groups::needs_padding(dims)
-}
-
 /// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
 fn cpu_parallel_slots() -> usize {
     4 * rayon::current_num_threads()
@@ -329,47 +269,5 @@ impl CustomOp3 for SplitKvAttention {
         _grad_out: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         bail!("split-kv attention: backward is not supported: inference only")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The wide-group path (taken on CUDA) pads, cuts back and joins its calls' outputs and LSEs
-    /// in head order: run on the CPU, it must match the one-call result.
-    #[test]
-    fn wide_group_calls_match_one_call() -> Result<()> {
-        // 34/2 pads each kv head's 17 query heads to 18, 71/1 pads to 75, 48/1 needs none.
-        for (b, q_heads, kv_heads, d, len) in [
-            (2, 34, 2, 64, 300),
-            (1, 71, 1, 64, 200),
-            (2, 48, 1, 128, 100),
-        ] {
-            let q = Tensor::randn(0f32, 1.0, (b, 1, q_heads, d), &Device::Cpu)?;
-            let k = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
-            let v = Tensor::randn(0f32, 1.0, (b, len, kv_heads, d), &Device::Cpu)?;
-            let op = SplitKvAttention::new(0.125).with_num_splits(Some(3));
-            let dims = validate::check_tensors(&q, &k, &v)?;
-            let (want, want_lse) = op.forward_with_lse(&q, &k, &v)?;
-
-            let slot: LseSlot = Arc::default();
-            let with_slot = SplitKvAttention {
-                lse_slot: Some(slot.clone()),
-                ..op.clone()
-            };
-            let got = with_slot.forward_padded(&q, &k, &v, &dims)?;
-            let got_lse = take_lse(&slot)?;
-            assert_eq!(got.dims(), want.dims());
-            assert_eq!(got_lse.dims(), want_lse.dims());
-            assert!(got.is_contiguous() && got_lse.is_contiguous());
-            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            let lse_diff = (got_lse - want_lse)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            assert!(
-                diff < 1e-5 && lse_diff < 1e-5,
-                "{q_heads}/{kv_heads}: {diff} {lse_diff}"
-            );
-        }
-        Ok(())
     }
 }

@@ -4,10 +4,9 @@
 //! A block of the CUDA kernels holds up to [`MAX_GROUP`] query heads of one kv head, the M
 //! dimension of its tensor-core tiles. A wider group runs as `⌈group / MAX_GROUP⌉` blocks of
 //! query heads per kv head, which the kernels treat as kv heads of their own that read the same
-//! K and V, so one launch covers every group. Blocks must hold equal numbers of query heads, so a
-//! group they do not divide is padded with zero query heads whose outputs are dropped.
-
-use candle_core::{bail, Result};
+//! K and V, so one launch covers every group. Blocks hold equal numbers of query heads, so a group
+//! they do not divide is padded inside the kernels: the padding heads' queries read as zero and
+//! their outputs are never stored, and the caller's tensors keep their own shapes.
 
 use crate::validate::DecodeDims;
 
@@ -26,32 +25,39 @@ pub(crate) fn padded_group(group: usize) -> usize {
     blocks * group.div_ceil(blocks)
 }
 
-/// Whether a group needs zero query heads added before the CUDA kernels can run it.
-pub(crate) fn needs_padding(dims: &DecodeDims) -> bool {
-    padded_group(dims.group_size()) != dims.group_size()
+/// How the kernels see a call: its sizes with every kv head's group padded and cut into blocks,
+/// which the kernels treat as kv heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QueryBlocks {
+    /// The sizes the kernels see: `q_heads` padded, `kv_heads` counting blocks.
+    pub dims: DecodeDims,
+    /// Blocks per kv head of the call: a block reads kv head `block / blocks_per_kv_head`.
+    pub blocks_per_kv_head: usize,
+    /// Query heads per kv head as the kernels number them, padding included.
+    pub padded_group: usize,
+    /// Query heads per kv head in the caller's tensors: the first of each padded run.
+    pub real_group: usize,
 }
 
-/// The sizes the kernels see, and the blocks per kv head: every kv head of a group (already
-/// padded) wider than a block becomes its blocks, block `j` of kv head `h` holding query heads
-/// `h * group + j * (group / blocks) ..` in order, which is how the kernels number the query
-/// heads of a kv head. Groups within a block pass through with one block per kv head.
+/// The kernels' view of a call: each kv head's group padded with zero query heads to equal
+/// blocks of at most [`MAX_GROUP`], block `j` of kv head `h` holding padded heads
+/// `h * padded_group + j * (padded_group / blocks) ..` in order. Groups within a block pass
+/// through as one block per kv head without padding.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA launch is its caller
-pub(crate) fn query_blocks(dims: DecodeDims) -> Result<(DecodeDims, usize)> {
-    let group = dims.group_size();
-    let blocks = blocks_per_kv_head(group);
-    if !group.is_multiple_of(blocks) {
-        bail!(
-            "split-kv attention: a CUDA block holds up to {MAX_GROUP} query heads per kv head, and \
-             {group} do not split into equal blocks; run it through SplitKvAttention::forward, \
-             which pads the group to {}",
-            padded_group(group)
-        )
+pub(crate) fn query_blocks(dims: DecodeDims) -> QueryBlocks {
+    let real_group = dims.group_size();
+    let blocks = blocks_per_kv_head(real_group);
+    let padded_group = padded_group(real_group);
+    QueryBlocks {
+        dims: DecodeDims {
+            q_heads: dims.kv_heads * padded_group,
+            kv_heads: dims.kv_heads * blocks,
+            ..dims
+        },
+        blocks_per_kv_head: blocks,
+        padded_group,
+        real_group,
     }
-    let kernel_dims = DecodeDims {
-        kv_heads: dims.kv_heads * blocks,
-        ..dims
-    };
-    Ok((kernel_dims, blocks))
 }
 
 #[cfg(test)]
@@ -87,36 +93,32 @@ mod tests {
             assert_eq!(padded, want, "group {group}");
             let blocks = blocks_per_kv_head(group);
             assert!(padded / blocks <= MAX_GROUP && padded - group < blocks);
-            assert_eq!(needs_padding(&dims(group * 2, 2)), padded != group);
         }
     }
 
     #[test]
-    fn wide_groups_become_blocks() -> Result<()> {
-        // (q heads, kv heads) → (kernel kv heads, blocks per kv head)
+    fn wide_groups_become_padded_blocks() {
+        // (q heads, kv heads) → (kernel q heads, kernel kv heads, blocks per kv head)
         for (q_heads, kv_heads, want) in [
-            (16, 1, (1, 1)),
-            (32, 8, (8, 1)),
-            (18, 1, (2, 2)),
-            (48, 1, (3, 3)),
-            (75, 1, (5, 5)),
-            (64, 2, (4, 2)),
-            (36, 2, (4, 2)),
-            (1, 1, (1, 1)),
+            (16, 1, (16, 1, 1)),
+            (32, 8, (32, 8, 1)),
+            (17, 1, (18, 2, 2)),
+            (48, 1, (48, 3, 3)),
+            (71, 1, (75, 5, 5)),
+            (64, 2, (64, 4, 2)),
+            (34, 2, (36, 4, 2)),
+            (1, 1, (1, 1, 1)),
         ] {
-            let (got, blocks) = query_blocks(dims(q_heads, kv_heads))?;
-            assert_eq!((got.kv_heads, blocks), want, "{q_heads}/{kv_heads}");
-            assert_eq!(got.q_heads, q_heads);
-            assert!(got.group_size() <= MAX_GROUP);
-        }
-        // Unpadded: an error naming the way round.
-        for (q_heads, kv_heads) in [(71, 1), (17, 1), (34, 2)] {
-            let err = query_blocks(dims(q_heads, kv_heads)).unwrap_err();
-            assert!(
-                err.to_string().contains("SplitKvAttention::forward"),
-                "{err}"
+            let blocks = query_blocks(dims(q_heads, kv_heads));
+            let got = (
+                blocks.dims.q_heads,
+                blocks.dims.kv_heads,
+                blocks.blocks_per_kv_head,
             );
+            assert_eq!(got, want, "{q_heads}/{kv_heads}");
+            assert!(blocks.dims.group_size() <= MAX_GROUP);
+            assert_eq!(blocks.real_group * kv_heads, q_heads);
+            assert_eq!(blocks.padded_group * kv_heads, blocks.dims.q_heads);
         }
-        Ok(())
     }
 }

@@ -55,13 +55,16 @@ struct CombineParams {
 // the query heads of each (batch, K/V head) as a run of padded_group, of which the first
 // real_group exist in the caller's q, out and LSE. Row `padded` of that numbering in the
 // caller's tensors, or -1 for a padding head; without padding the two numberings agree.
+// Without padding the divisions are skipped: at short contexts they sit on the critical path.
 __device__ __forceinline__ int real_row(int padded, int padded_group, int real_group) {
+    if (padded_group == real_group) return padded;
     const int run = padded / padded_group, i = padded - run * padded_group;
     return i < real_group ? run * real_group + i : -1;
 }
 
 // The inverse: row `real` of the caller's tensors in the kernels' numbering.
 __device__ __forceinline__ int padded_row(int real, int padded_group, int real_group) {
+    if (padded_group == real_group) return real;
     const int run = real / real_group;
     return run * padded_group + (real - run * real_group);
 }

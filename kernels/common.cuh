@@ -54,8 +54,8 @@ struct CombineParams {
 // Wide groups are padded to equal blocks of query heads (src/wide_groups.rs): the kernels number
 // the query heads of each (batch, K/V head) as a run of padded_group, of which the first
 // real_group exist in the caller's q, out and LSE. Row `padded` of that numbering in the
-// caller's tensors, or -1 for a padding head; without padding the two numberings agree.
-// Without padding the divisions are skipped: at short contexts they sit on the critical path.
+// caller's tensors, or -1 for a padding head. Without padding the numberings agree and the
+// divisions are skipped: at short contexts they sit on the critical path.
 __device__ __forceinline__ int real_row(int padded, int padded_group, int real_group) {
     if (padded_group == real_group) return padded;
     const int run = padded / padded_group, i = padded - run * padded_group;

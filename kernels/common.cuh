@@ -28,6 +28,7 @@ struct DecodeParams {
     int blocks_per_kv_head; // kv heads here are blocks of query heads; K/V head = kv_head / this
     int padded_group;       // query heads per K/V head as numbered here (see real_row)
     int real_group;         // of which the first real_group exist in q, out and lse_out
+    int lockstep_tiles;     // tiles between the cluster barriers of the lockstep forms
 };
 
 // Must match `SplitMerge` in src/cuda.rs. With one split the partial pass writes the output.

@@ -178,7 +178,10 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
 // LAST_CTA_MERGE (one item per CTA only): the splits of each (batch, kv head) merge in the CTA
 // that finishes last (kernels/last_split_merge.cuh), a form of its own so that the other forms'
 // code is not shaped around that merge's registers.
-template <typename T, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE>
+// LOCKSTEP (one item per CTA only, sm_90): the blocks of query heads that read one K/V head (wide
+// groups) run as a cluster along y, and its CTAs hold each other within `p.lockstep_tiles`
+// tiles, so that the first to stream a tile leaves it in L2 for the others.
+template <typename T, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE, bool LOCKSTEP>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
@@ -197,13 +200,15 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     constexpr int SMEM = PERSISTENT ? Cfg::kPersistentSmemBytes : Cfg::kSmemBytes;
 
     static_assert(!(PERSISTENT && LAST_CTA_MERGE), "the persistent form merges splits in the combine pass");
+    static_assert(!(PERSISTENT && LOCKSTEP), "persistent CTAs of one cluster walk different items");
 
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)SMEM) __trap();
     if (LAST_CTA_MERGE && (p.merge != kMergeByLastCta || p.split_counters == nullptr)) __trap();
+    if (LOCKSTEP && (p.merge == kMergeInCluster || p.lockstep_tiles < 1)) __trap();
     // The cluster merge's first barrier phase: arrived at once, waited on before the first push,
     // so that no CTA stores into another that has not started.
-    const bool cluster = !PERSISTENT && !LAST_CTA_MERGE && p.num_splits > 1 &&
+    const bool cluster = !PERSISTENT && !LAST_CTA_MERGE && !LOCKSTEP && p.num_splits > 1 &&
                          p.merge == kMergeInCluster;
     if (cluster) {
         if (dynamic_smem_bytes() < (unsigned)Cfg::kClusterSmemBytes) __trap();
@@ -346,6 +351,17 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     const int v_lane_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_lane_piece = lane >> 4;
 
     int consumed = 0;  // tiles this warp has taken out of its ring
+    // LOCKSTEP: every warp of the cluster arrives at tiles lockstep_tiles, 2 · lockstep_tiles, ...
+    // below the tiles all of them stream (their items differ only in the block of query heads),
+    // and waits on the previous arrival before the next one.
+    constexpr int kNoSync = 0x7fffffff;
+    int next_sync = kNoSync, last_sync = 0;
+    bool arrived = false;
+    if constexpr (LOCKSTEP) {
+        const int tiles = first.end > first.start ? (first.end - first.start + ROWS - 1) / ROWS : 0;
+        last_sync = tiles / kWarps - 1;
+        if (p.lockstep_tiles <= last_sync) next_sync = p.lockstep_tiles;
+    }
     for (int index = first_item; index < items; index += item_stride) {
         const MmaItem it =
             index == first_item ? first : mma_item<T, ROWS, PERSISTENT>(p, index, warp);
@@ -362,6 +378,14 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         float run_sum[2] = {0.f, 0.f};
 
         for (int n = 0; n < it.my_tiles; ++n, ++consumed) {
+            if constexpr (LOCKSTEP) {
+                if (n == next_sync) {
+                    if (arrived) cluster_wait();
+                    cluster_arrive_relaxed();
+                    arrived = true;
+                    next_sync = n + p.lockstep_tiles <= last_sync ? n + p.lockstep_tiles : kNoSync;
+                }
+            }
             cp_async_wait<STAGES - 2>();
             __syncwarp();  // this tile visible to the whole warp; the previous slot free for reuse
             issue_next();
@@ -471,6 +495,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                 }
         }
 
+        if (LOCKSTEP && arrived) cluster_wait();  // no arrival left pending at exit
+
         // Leave this warp's state in shared memory. One item per CTA: the merge area overlays
         // the ring, free once every copy has landed. Persistent: it sits after the ring, which
         // already holds the next item's first tiles.
@@ -519,15 +545,28 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                        \
     extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(                  \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, false, false>(p);                                           \
+        decode_partial_mma<T, D, GMAX, false, false, false>(p);                                           \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX##_persistent(     \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, true, false>(p);                                            \
+        decode_partial_mma<T, D, GMAX, true, false, false>(p);                                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads, 2) NAME##_d##D##_g##GMAX##_last_cta(    \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, false, true>(p);                                            \
+        decode_partial_mma<T, D, GMAX, false, true, false>(p);                                            \
+    }
+
+// The lockstep forms, for blocks of wide groups (always more than eight query heads each): one
+// item per CTA with its merge in the combine pass or none (suffix `_lockstep`), or in the last CTA
+// (`_last_cta_lockstep`).
+#define DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, D)                                                     \
+    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g16_lockstep(             \
+        const DecodeParams p) {                                                                    \
+        decode_partial_mma<T, D, 16, false, false, true>(p);                                       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2) NAME##_d##D##_g16_last_cta_lockstep( \
+        const DecodeParams p) {                                                                    \
+        decode_partial_mma<T, D, 16, false, true, true>(p);                                        \
     }
 
 #define DECODE_MMA_DIMS(NAME, T)          \
@@ -540,4 +579,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     DECODE_MMA_KERNEL(NAME, T, 128, 8)    \
     DECODE_MMA_KERNEL(NAME, T, 128, 16)   \
     DECODE_MMA_KERNEL(NAME, T, 256, 8)    \
-    DECODE_MMA_KERNEL(NAME, T, 256, 16)
+    DECODE_MMA_KERNEL(NAME, T, 256, 16)   \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 64) \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 80) \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 96) \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 128) \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 256)

@@ -9,13 +9,16 @@ use half::{bf16, f16};
 
 use crate::cuda_launch::{
     compiled_compute_cap, device_ptr, launch_dependent, max_smem_per_cta, one_cta_per_sm_smem,
-    poison, resident_clusters, resident_ctas,
+    poison, resident_clusters, resident_ctas, ClusterDims,
 };
 use crate::op::{CudaKernel, SplitKvAttention};
 use crate::plan::MAX_SPLITS;
 use crate::split_counters::{split_counters, SPLIT_COUNTERS};
 use crate::validate::{self, DecodeDims, RowStrides};
-use crate::wide_groups::{query_blocks, MAX_GROUP};
+use crate::wide_groups::{query_blocks, QueryBlocks, MAX_GROUP};
+
+mod lockstep;
+use lockstep::{fills_every_slot, lockstep_cluster, lockstep_plan, LOCKSTEP_TILES};
 
 const DECODE_F16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_f16.ptx"));
 const DECODE_BF16_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/split_kv_decode_bf16.ptx"));
@@ -77,6 +80,7 @@ struct DecodeParams {
     blocks_per_kv_head: i32,
     padded_group: i32,
     real_group: i32,
+    lockstep_tiles: i32,
 }
 
 /// How the splits of each (batch, kv head) are merged; must match `SplitMerge` in
@@ -328,11 +332,11 @@ impl DecodeKernel {
         })
     }
 
-    /// The form of this one-item tensor-core kernel whose last CTA per (batch, kv head) merges
-    /// the splits (suffix `_last_cta` in kernels/split_kv_decode_mma.cuh), with the same shared
-    /// memory.
-    fn last_cta_merge_form(&self, dev: &CudaDevice) -> Result<CudaFunction> {
-        let name = format!("{}_last_cta", self.name);
+    /// Another form of this one-item tensor-core kernel, with the same shared memory: suffix
+    /// `_last_cta` (the last CTA per (batch, kv head) merges the splits), `_lockstep` (the blocks
+    /// of a wide group run as clusters in lock step) or both, in kernels/split_kv_decode_mma.cuh.
+    fn form(&self, dev: &CudaDevice, suffix: &str) -> Result<CudaFunction> {
+        let name = format!("{}{suffix}", self.name);
         let (module, ptx) = self.module;
         let func = (*dev.get_or_load_custom_func(&name, module, ptx)?).clone();
         // Raises the form's shared-memory limit on first use; cached afterwards.
@@ -346,11 +350,18 @@ fn prepare(
     op: &SplitKvAttention,
     dev: &CudaDevice,
     dtype: DType,
-    dims: &DecodeDims,
+    blocks: &QueryBlocks,
 ) -> Result<(DecodeKernel, crate::plan::SplitPlan)> {
+    let dims = &blocks.dims;
     let family = resolve_family(op.cuda_kernel, dtype)?;
     let kernel = DecodeKernel::load(dev, family, dtype, dims, false)?;
-    let plan = op.plan(dims, kernel.parallel_slots, gpu_min_chunk(dims.kv_len));
+    let fill = fills_every_slot(&kernel, blocks);
+    let slots = if fill {
+        kernel.resident
+    } else {
+        kernel.parallel_slots
+    };
+    let plan = op.plan(dims, slots, gpu_min_chunk(dims.kv_len));
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
     // of persistent CTAs walks them instead (b = 64, 32/8, L = 1K: 512 items), where the device
@@ -365,6 +376,11 @@ fn prepare(
     if op.num_splits.is_none() {
         if let Some(shorter) = cluster_plan(dev, &kernel, dims, plan)? {
             return Ok((kernel, shorter));
+        }
+        if fill {
+            if let Some(fitted) = lockstep_plan(dev, &kernel, blocks, plan)? {
+                return Ok((kernel, fitted));
+            }
         }
     }
     Ok((kernel, plan))
@@ -425,7 +441,7 @@ fn merge_cluster(
     units: usize,
     splits: usize,
     cfg: &LaunchConfig,
-) -> Result<Option<(u32, LaunchConfig)>> {
+) -> Result<Option<(ClusterDims, LaunchConfig)>> {
     if kernel.family != CudaKernel::TensorCore
         || kernel.persistent
         || !(2..=MAX_CLUSTER).contains(&splits)
@@ -442,9 +458,12 @@ fn merge_cluster(
         shared_mem_bytes: smem.max(kernel.cluster_smem_bytes) as u32,
         ..*cfg
     };
-    let size = splits as u32;
-    let resident = resident_clusters(dev, &kernel.name, &kernel.func, &cfg, size)?;
-    Ok((resident >= units).then_some((size, cfg)))
+    let shape = ClusterDims {
+        x: splits as u32,
+        y: 1,
+    };
+    let resident = resident_clusters(dev, &kernel.name, &kernel.func, &cfg, shape)?;
+    Ok((resident >= units).then_some((shape, cfg)))
 }
 
 /// The split plan the CUDA path would use for these inputs.
@@ -454,7 +473,7 @@ pub fn split_plan(
     dtype: DType,
     dims: &DecodeDims,
 ) -> Result<crate::plan::SplitPlan> {
-    Ok(prepare(op, dev, dtype, &query_blocks(*dims).dims)?.1)
+    Ok(prepare(op, dev, dtype, &query_blocks(*dims))?.1)
 }
 
 /// Entry point from `SplitKvAttention::cuda_fwd`.
@@ -510,7 +529,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         )
     }
 
-    let (kernel, plan) = prepare(op, &dev, q.dtype(), &dims)?;
+    let (kernel, plan) = prepare(op, &dev, q.dtype(), &blocks)?;
     let smem = kernel.smem_bytes;
     debug_assert!(plan.num_splits <= MAX_SPLITS);
 
@@ -556,10 +575,21 @@ fn launch<T: CudaDType + DeviceRepr>(
         (None, None) => SplitMerge::CombinePass,
     };
     let combine_pass = plan.num_splits > 1 && merge == SplitMerge::CombinePass;
-    let decode = match merge {
-        SplitMerge::ByLastCta => kernel.last_cta_merge_form(&dev)?,
-        _ => kernel.func.clone(),
+    let merge_suffix = if merge == SplitMerge::ByLastCta {
+        "_last_cta"
+    } else {
+        ""
     };
+    let lockstep = match cluster {
+        None => lockstep_cluster(&dev, &kernel, &blocks, merge_suffix, plan.num_splits)?,
+        Some(_) => None,
+    };
+    let decode = match (&lockstep, merge_suffix) {
+        (Some((_, func)), _) => func.clone(),
+        (None, "") => kernel.func.clone(),
+        (None, suffix) => kernel.form(&dev, suffix)?,
+    };
+    let cluster = cluster.or(lockstep.map(|(shape, _)| shape));
 
     let padded_rows = dims.batch * dims.q_heads;
     // Every allocation is a node in a captured graph, so allocate only what this call needs: the
@@ -639,6 +669,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         blocks_per_kv_head: blocks.blocks_per_kv_head as i32,
         padded_group: blocks.padded_group as i32,
         real_group: blocks.real_group as i32,
+        lockstep_tiles: LOCKSTEP_TILES,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

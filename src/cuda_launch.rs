@@ -75,22 +75,36 @@ pub(crate) fn resident_ctas(
     Ok(residency)
 }
 
+/// The shape of a thread-block cluster: CTAs along x and y of the grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct ClusterDims {
+    pub x: u32,
+    pub y: u32,
+}
+
+impl ClusterDims {
+    pub fn size(&self) -> u32 {
+        self.x * self.y
+    }
+}
+
 /// Launch attributes beyond the grid: a programmatic dependency on the previous kernel, and
-/// optionally clusters along x.
+/// optionally clusters.
 struct Attributes {
     list: [sys::CUlaunchAttribute; 2],
     len: u32,
 }
 
 impl Attributes {
-    fn new(cluster_x: Option<u32>) -> Self {
+    fn new(cluster: Option<ClusterDims>) -> Self {
         // SAFETY: plain-old-data unions; each field set below is the one its attribute id selects.
         let mut dependent: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
         dependent.programmaticStreamSerializationAllowed = 1;
-        let mut cluster: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        cluster.clusterDim.x = cluster_x.unwrap_or(1);
-        cluster.clusterDim.y = 1;
-        cluster.clusterDim.z = 1;
+        let mut dims: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
+        let shape = cluster.unwrap_or(ClusterDims { x: 1, y: 1 });
+        dims.clusterDim.x = shape.x;
+        dims.clusterDim.y = shape.y;
+        dims.clusterDim.z = 1;
         Self {
             list: [
                 sys::CUlaunchAttribute {
@@ -101,10 +115,10 @@ impl Attributes {
                 sys::CUlaunchAttribute {
                     id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
                     pad: [0; 4],
-                    value: cluster,
+                    value: dims,
                 },
             ],
-            len: if cluster_x.is_some() { 2 } else { 1 },
+            len: if cluster.is_some() { 2 } else { 1 },
         }
     }
 
@@ -128,8 +142,8 @@ impl Attributes {
 /// is a programmatic dependent of the previous kernel: its CTAs may be scheduled while that kernel
 /// runs, so the kernel must wait in-kernel (`griddepcontrol.wait`) before it reads or writes any
 /// global memory another kernel may touch; the attribute only hides the launch gap. Earlier
-/// architectures get a plain launch, where the wait is a no-op. `cluster_x` groups that many
-/// consecutive CTAs along x into a cluster (sm_90 only; see [`cluster_fits`]).
+/// architectures get a plain launch, where the wait is a no-op. `cluster` groups the grid's CTAs
+/// into thread-block clusters of that shape (sm_90 only; see [`resident_clusters`]).
 ///
 /// # Safety
 ///
@@ -139,12 +153,12 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     func: &CudaFunction,
     dev: &CudaDevice,
     cfg: LaunchConfig,
-    cluster_x: Option<u32>,
+    cluster: Option<ClusterDims>,
     params: &P,
 ) -> Result<()> {
     let stream = dev.cuda_stream();
     if compiled_compute_cap() < 90 {
-        if cluster_x.is_some() {
+        if cluster.is_some() {
             candle_core::bail!("split-kv: thread-block clusters need a build for sm_90 or later")
         }
         let mut builder = stream.launch_builder(func);
@@ -152,7 +166,7 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
         // SAFETY: the caller vouches for the parameter type and the buffers.
         return unsafe { builder.launch(cfg) }.map(|_| ()).w();
     }
-    let mut attributes = Attributes::new(cluster_x);
+    let mut attributes = Attributes::new(cluster);
     let config = attributes.config(&cfg, stream.cu_stream());
     let mut args = [params as *const P as *mut std::ffi::c_void];
     // SAFETY: `args` points to `params` and `config` to `attributes` for the duration of the
@@ -169,8 +183,8 @@ pub(crate) unsafe fn launch_dependent<P: DeviceRepr>(
     .w()
 }
 
-/// How many clusters of `size` CTAs along x of `func` (named `name`), launched as `cfg`, the GPU
-/// runs at once (0 where it cannot schedule them). The first call per device, kernel, size and
+/// How many clusters of shape `cluster` of `func` (named `name`), launched as `cfg`, the GPU runs
+/// at once (0 where it cannot schedule them). The first call per device, kernel, shape and
 /// shared-memory size also raises the kernel's shared-memory limit to `cfg`'s and allows sizes
 /// past the portable 8 (H100 and H200 schedule 16); later calls skip the driver.
 pub(crate) fn resident_clusters(
@@ -178,14 +192,14 @@ pub(crate) fn resident_clusters(
     name: &str,
     func: &CudaFunction,
     cfg: &LaunchConfig,
-    size: u32,
+    cluster: ClusterDims,
 ) -> Result<usize> {
-    type Key = (DeviceId, String, u32, u32);
+    type Key = (DeviceId, String, ClusterDims, u32);
     static CLUSTERS: OnceLock<Mutex<HashMap<Key, usize>>> = OnceLock::new();
     if compiled_compute_cap() < 90 {
         return Ok(0);
     }
-    let key = (dev.id(), name.to_string(), size, cfg.shared_mem_bytes);
+    let key = (dev.id(), name.to_string(), cluster, cfg.shared_mem_bytes);
     let cache = CLUSTERS.get_or_init(Default::default);
     if let Some(n) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
         return Ok(n);
@@ -195,14 +209,14 @@ pub(crate) fn resident_clusters(
         cfg.shared_mem_bytes as i32,
     )
     .w()?;
-    if size > 8 {
+    if cluster.size() > 8 {
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
             1,
         )
         .w()?;
     }
-    let mut attributes = Attributes::new(Some(size));
+    let mut attributes = Attributes::new(Some(cluster));
     let config = attributes.config(cfg, std::ptr::null_mut());
     let mut clusters: std::ffi::c_int = 0;
     // SAFETY: `config` points to `attributes`, alive for the call; the driver only reads it.

@@ -7,6 +7,11 @@
 //! K and V, so one launch covers every group. Blocks hold equal numbers of query heads, so a group
 //! they do not divide is padded inside the kernels: the padding heads' queries read as zero and
 //! their outputs are never stored, and the caller's tensors keep their own shapes.
+//!
+//! Since every block streams its kv head's K/V, a wide group does one pass of tensor-core work
+//! per block and byte: large calls plan for every resident CTA slot, and on sm_90 run the blocks
+//! of each kv head as one cluster in lock step, so that they share each tile through L2 (see
+//! `fills_every_slot` and `lockstep_cluster` in src/cuda.rs).
 
 use crate::validate::DecodeDims;
 

@@ -481,25 +481,17 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     Ok(())
 }
 
-/// Groups wider than a CUDA block holds run as several blocks of query heads per kv head, all
-/// reading its K and V in one launch: 48 (3 × 16), 20 (2 × 10), 2 × 32 (2 × 2 × 16), 2 × 48.
-/// Groups the blocks do not divide are padded inside the kernels: 71 (5 × 15), 17 (2 × 9),
-/// 2 × 17 (2 × 2 × 9), also at a batch that takes the persistent grid.
-#[test]
-fn gpu_wide_groups() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+/// Checks every combination of shape `(b, h_q, h_kv, d, l)`, dtype and split count against the
+/// reference; returns how many ran.
+fn check_shapes(
+    dev: &Device,
+    shapes: &[(usize, usize, usize, usize, usize)],
+    dtypes: &[DType],
+    splits: &[Option<usize>],
+) -> Result<usize> {
     let mut count = 0;
-    for (b, h_q, h_kv, d, l) in [
-        (2, 48, 1, 128, 3000),
-        (3, 20, 1, 128, 700),
-        (1, 71, 1, 64, 5000),
-        (1, 17, 1, 64, 300),
-        (2, 34, 2, 128, 900),
-        (1, 64, 2, 64, 2000),
-        (2, 96, 2, 128, 1500),
-        (64, 34, 2, 128, 600),
-    ] {
-        for dtype in DTYPES {
+    for &(b, h_q, h_kv, d, l) in shapes {
+        for &dtype in dtypes {
             let case = Case {
                 b,
                 h_q,
@@ -508,13 +500,67 @@ fn gpu_wide_groups() -> Result<()> {
                 l,
                 dtype,
             };
-            for splits in [None, Some(5)] {
-                check_case(&dev, case, splits)?;
+            for &n in splits {
+                check_case(dev, case, n)?;
                 count += 1;
             }
         }
     }
+    Ok(count)
+}
+
+/// Groups wider than a CUDA block holds run as several blocks of query heads per kv head, all
+/// reading its K and V in one launch: 48 (3 × 16), 20 (2 × 10), 2 × 32 (2 × 2 × 16), 2 × 48.
+/// Groups the blocks do not divide are padded inside the kernels: 71 (5 × 15), 17 (2 × 9),
+/// 2 × 17 (2 × 2 × 9), also at a batch that takes the persistent grid.
+#[test]
+fn gpu_wide_groups() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shapes = [
+        (2, 48, 1, 128, 3000),
+        (3, 20, 1, 128, 700),
+        (1, 71, 1, 64, 5000),
+        (1, 17, 1, 64, 300),
+        (2, 34, 2, 128, 900),
+        (1, 64, 2, 64, 2000),
+        (2, 96, 2, 128, 1500),
+        (64, 34, 2, 128, 600),
+    ];
+    let count = check_shapes(&dev, &shapes, &DTYPES, &[None, Some(5)])?;
     println!("gpu_wide_groups: {count} cases passed");
+    Ok(())
+}
+
+/// Wide groups with long chunks (several of the lockstep forms' barrier intervals), merged in
+/// every way: no split, by the last CTA, and by the combine pass (12 splits of 16-head blocks
+/// exceed what the last CTA reads back).
+#[test]
+fn gpu_wide_groups_long_chunks() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shapes = [
+        (3, 48, 1, 128, 9000),
+        (2, 71, 1, 64, 12000),
+        (1, 40, 2, 96, 7000),
+    ];
+    let count = check_shapes(&dev, &shapes, &DTYPES, &[None, Some(1), Some(3), Some(12)])?;
+    println!("gpu_wide_groups_long_chunks: {count} cases passed");
+    Ok(())
+}
+
+/// Wide groups with enough K/V that their plans fill two CTAs per SM, with the blocks in lock step
+/// on sm_90 where the clusters fit (all of them, or after trimming the splits), or not where they
+/// do not.
+#[test]
+fn gpu_wide_groups_filling() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shapes = [
+        (8, 48, 1, 128, 8192),
+        (4, 71, 1, 64, 16384),
+        (16, 71, 1, 64, 4096),
+        (4, 64, 2, 128, 8192),
+    ];
+    let count = check_shapes(&dev, &shapes, &[DType::F16, DType::BF16], &[None, Some(3)])?;
+    println!("gpu_wide_groups_filling: {count} cases passed");
     Ok(())
 }
 

@@ -545,15 +545,15 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #define DECODE_MMA_KERNEL(NAME, T, D, GMAX)                                                        \
     extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(                  \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, false, false, false>(p);                                           \
+        decode_partial_mma<T, D, GMAX, false, false, false>(p);                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX##_persistent(     \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, true, false, false>(p);                                            \
+        decode_partial_mma<T, D, GMAX, true, false, false>(p);                                     \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(kThreads, 2) NAME##_d##D##_g##GMAX##_last_cta(    \
         const DecodeParams p) {                                                                    \
-        decode_partial_mma<T, D, GMAX, false, true, false>(p);                                            \
+        decode_partial_mma<T, D, GMAX, false, true, false>(p);                                     \
     }
 
 // The lockstep forms, for blocks of wide groups (always more than eight query heads each): one
@@ -564,24 +564,24 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         const DecodeParams p) {                                                                    \
         decode_partial_mma<T, D, 16, false, false, true>(p);                                       \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(kThreads, 2) NAME##_d##D##_g16_last_cta_lockstep( \
-        const DecodeParams p) {                                                                    \
+    extern "C" __global__ void __launch_bounds__(kThreads, 2)                                      \
+        NAME##_d##D##_g16_last_cta_lockstep(const DecodeParams p) {                                \
         decode_partial_mma<T, D, 16, false, true, true>(p);                                        \
     }
 
-#define DECODE_MMA_DIMS(NAME, T)          \
-    DECODE_MMA_KERNEL(NAME, T, 64, 8)     \
-    DECODE_MMA_KERNEL(NAME, T, 64, 16)    \
-    DECODE_MMA_KERNEL(NAME, T, 80, 8)     \
-    DECODE_MMA_KERNEL(NAME, T, 80, 16)    \
-    DECODE_MMA_KERNEL(NAME, T, 96, 8)     \
-    DECODE_MMA_KERNEL(NAME, T, 96, 16)    \
-    DECODE_MMA_KERNEL(NAME, T, 128, 8)    \
-    DECODE_MMA_KERNEL(NAME, T, 128, 16)   \
-    DECODE_MMA_KERNEL(NAME, T, 256, 8)    \
-    DECODE_MMA_KERNEL(NAME, T, 256, 16)   \
-    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 64) \
-    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 80) \
-    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 96) \
+#define DECODE_MMA_DIMS(NAME, T)             \
+    DECODE_MMA_KERNEL(NAME, T, 64, 8)        \
+    DECODE_MMA_KERNEL(NAME, T, 64, 16)       \
+    DECODE_MMA_KERNEL(NAME, T, 80, 8)        \
+    DECODE_MMA_KERNEL(NAME, T, 80, 16)       \
+    DECODE_MMA_KERNEL(NAME, T, 96, 8)        \
+    DECODE_MMA_KERNEL(NAME, T, 96, 16)       \
+    DECODE_MMA_KERNEL(NAME, T, 128, 8)       \
+    DECODE_MMA_KERNEL(NAME, T, 128, 16)      \
+    DECODE_MMA_KERNEL(NAME, T, 256, 8)       \
+    DECODE_MMA_KERNEL(NAME, T, 256, 16)      \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 64)  \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 80)  \
+    DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 96)  \
     DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 128) \
     DECODE_MMA_LOCKSTEP_KERNEL(NAME, T, 256)

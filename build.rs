@@ -1,23 +1,144 @@
-//! With the `cuda` feature: compiles every `kernels/*.cu` to PTX with nvcc into OUT_DIR, where
-//! `src/cuda.rs` embeds it with `include_str!`. Without the feature it does nothing, so the crate
-//! builds on machines with no CUDA toolkit.
+//! Reads `kernels/kernels.toml`, the one declaration of every kernel form, and generates:
+//!
+//! - always, `head_dims.rs`: the head dims the op accepts;
+//! - with the `cuda` feature, the kernel instances (one `.cu` per module and dtype), their PTX
+//!   (nvcc), and `kernel_table.rs`: the form enum, the table of instances with the threads and
+//!   shared memory the compiler evaluated from the kernels' headers, and the Rust twins of the
+//!   launch parameter blocks, enums and constants, each checked against the compiler's layout.
+//!
+//! Without the feature nothing needs a CUDA toolkit.
 
+use std::collections::BTreeMap;
 use std::env;
+use std::fmt::Write as _;
+use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+
+use serde::Deserialize;
+
+const KERNEL_DIR: &str = "kernels";
+const SPEC: &str = "kernels/kernels.toml";
+
+#[derive(Deserialize)]
+struct Spec {
+    head_dims: Vec<usize>,
+    form: Vec<Form>,
+    #[serde(default)]
+    params: Vec<Named>,
+    #[serde(default)]
+    enums: Vec<EnumSpec>,
+    #[serde(default)]
+    constants: Vec<ConstantSpec>,
+}
+
+#[derive(Deserialize)]
+struct Form {
+    name: String,
+    header: String,
+    module: String,
+    params: String,
+    kernel: String,
+    dtypes: Vec<String>,
+    #[serde(default)]
+    head_dims: bool,
+    #[serde(default)]
+    groups: Vec<usize>,
+    threads: String,
+    smem: String,
+    cluster_smem: Option<String>,
+    #[serde(default)]
+    min_ctas_per_sm: u32,
+    #[serde(default)]
+    min_compute_cap: u32,
+}
+
+#[derive(Deserialize)]
+struct Named {
+    name: String,
+    header: String,
+}
+
+#[derive(Deserialize)]
+struct EnumSpec {
+    name: String,
+    header: String,
+    prefix: String,
+}
+
+#[derive(Deserialize)]
+struct ConstantSpec {
+    name: String,
+    header: String,
+    rust: String,
+}
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
-        return;
-    }
-    if let Err(message) = build_kernels() {
+    println!("cargo:rerun-if-changed={SPEC}");
+    if let Err(message) = run() {
         // A build script reports failure by panicking; the message is what the user sees.
-        panic!("\n\ncandle-splitkv: cannot build the CUDA kernels: {message}\n\n");
+        panic!("\n\ncandle-splitkv: cannot build the kernels: {message}\n\n");
     }
 }
 
-fn build_kernels() -> Result<(), String> {
+fn run() -> Result<(), String> {
+    let text = fs::read_to_string(SPEC).map_err(|e| format!("reading {SPEC}: {e}"))?;
+    let spec: Spec = toml::from_str(&text).map_err(|e| format!("{SPEC}: {e}"))?;
+    let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+    write_head_dims(&spec, &out_dir)?;
+    if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return Ok(());
+    }
+    build_kernels(&spec, &out_dir)
+}
+
+fn write_head_dims(spec: &Spec, out_dir: &Path) -> Result<(), String> {
+    let dims = &spec.head_dims;
+    let list = dims.iter().map(usize::to_string).collect::<Vec<_>>();
+    let code = format!(
+        "/// Head dimensions the kernels are built for (`kernels/kernels.toml`).\n\
+         pub const SUPPORTED_HEAD_DIMS: [usize; {}] = [{}];\n",
+        dims.len(),
+        list.join(", ")
+    );
+    write(&out_dir.join("head_dims.rs"), &code)
+}
+
+/// One compiled kernel: a form at one dtype, head dim and group bound.
+struct Instance<'a> {
+    form: &'a Form,
+    dtype: &'a str,
+    head_dim: Option<usize>,
+    group: Option<usize>,
+}
+
+impl Instance<'_> {
+    fn symbol(&self) -> String {
+        let mut s = format!("{}_{}", snake(&self.form.name), self.dtype);
+        if let Some(d) = self.head_dim {
+            write!(s, "_d{d}").unwrap();
+        }
+        if let Some(g) = self.group {
+            write!(s, "_g{g}").unwrap();
+        }
+        s
+    }
+
+    fn module(&self) -> String {
+        format!("{}_{}", self.form.module, self.dtype)
+    }
+
+    /// The form's wrapper struct with this instance's template arguments.
+    fn wrapper(&self) -> Result<String, String> {
+        let mut args = vec![cxx_type(self.dtype)?.to_string()];
+        args.extend(self.head_dim.map(|d| d.to_string()));
+        args.extend(self.group.map(|g| g.to_string()));
+        Ok(format!("forms::{}<{}>", self.form.name, args.join(", ")))
+    }
+}
+
+fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     for var in [
         "NVCC",
         "CUDA_ROOT",
@@ -28,53 +149,514 @@ fn build_kernels() -> Result<(), String> {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    let kernel_dir = Path::new("kernels");
-    println!("cargo:rerun-if-changed=kernels");
-    let mut sources = Vec::new();
-    for entry in std::fs::read_dir(kernel_dir).map_err(|e| format!("reading kernels/: {e}"))? {
-        let path = entry.map_err(|e| format!("reading kernels/: {e}"))?.path();
-        match path.extension().and_then(|e| e.to_str()) {
-            Some("cu") => sources.push(path),
-            Some("cuh") => println!("cargo:rerun-if-changed={}", path.display()),
-            _ => {}
-        }
-    }
-    sources.sort();
-    let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
-    if sources.is_empty() {
-        return Ok(());
+    println!("cargo:rerun-if-changed={KERNEL_DIR}");
+    for entry in fs::read_dir(KERNEL_DIR).map_err(|e| format!("reading {KERNEL_DIR}/: {e}"))? {
+        let path = entry.map_err(|e| format!("reading {KERNEL_DIR}/: {e}"))?.path();
+        println!("cargo:rerun-if-changed={}", path.display());
     }
     let nvcc = find_nvcc()?;
     let compute_cap = compute_cap()?;
-    for source in &sources {
-        println!("cargo:rerun-if-changed={}", source.display());
-        let stem = source
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .ok_or_else(|| format!("bad kernel file name {}", source.display()))?;
-        let ptx = out_dir.join(format!("{stem}.ptx"));
-        let output = Command::new(&nvcc)
+    let cap: u32 = compute_cap
+        .parse()
+        .map_err(|_| format!("CUDA_COMPUTE_CAP {compute_cap:?} is not a number"))?;
+
+    let instances = instances(spec, cap);
+    let gen_dir = out_dir.join("kernels");
+    fs::create_dir_all(&gen_dir).map_err(|e| format!("creating {}: {e}", gen_dir.display()))?;
+
+    // One source per (module, dtype), holding every form that lives in it.
+    let mut modules: BTreeMap<String, Vec<&Instance>> = BTreeMap::new();
+    for inst in &instances {
+        modules.entry(inst.module()).or_default().push(inst);
+    }
+    let mut jobs = Vec::new();
+    for (module, members) in &modules {
+        let source = gen_dir.join(format!("{module}.cu"));
+        write(&source, &module_source(members)?)?;
+        jobs.push((source, out_dir.join(format!("{module}.ptx"))));
+    }
+    // The table source: resource sizes, layouts and constants as globals the PTX spells out.
+    let table_source = gen_dir.join("table.cu");
+    let (table_code, layouts) = table_source_code(spec, &instances)?;
+    write(&table_source, &table_code)?;
+    let table_ptx = gen_dir.join("table.ptx");
+    jobs.push((table_source, table_ptx.clone()));
+    compile_all(&nvcc, &compute_cap, &jobs)?;
+
+    let values = ptx_globals(&table_ptx)?;
+    let code = rust_table(spec, &instances, &modules, &layouts, &values)?;
+    write(&out_dir.join("kernel_table.rs"), &code)?;
+    println!("cargo:rustc-env=CANDLE_SPLITKV_COMPUTE_CAP={compute_cap}");
+    Ok(())
+}
+
+fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
+    let mut all = Vec::new();
+    for form in spec.form.iter().filter(|f| cap >= f.min_compute_cap) {
+        let dims: Vec<Option<usize>> = if form.head_dims {
+            spec.head_dims.iter().copied().map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let groups: Vec<Option<usize>> = if form.groups.is_empty() {
+            vec![None]
+        } else {
+            form.groups.iter().copied().map(Some).collect()
+        };
+        for dtype in &form.dtypes {
+            for &head_dim in &dims {
+                for &group in &groups {
+                    all.push(Instance {
+                        form,
+                        dtype,
+                        head_dim,
+                        group,
+                    });
+                }
+            }
+        }
+    }
+    all
+}
+
+/// The template parameters of a form's wrapper: the element type, then the head dim and the
+/// group bound where the form has them.
+fn wrapper_params(form: &Form) -> String {
+    let mut params = vec!["typename T"];
+    if form.head_dims {
+        params.push("int D");
+    }
+    if !form.groups.is_empty() {
+        params.push("int G");
+    }
+    params.join(", ")
+}
+
+/// A form's declaration as C++: a struct template that names its threads, shared memory and
+/// entry point. Included by the module sources and the table source alike.
+fn wrapper_struct(form: &Form) -> String {
+    let cluster = form
+        .cluster_smem
+        .as_deref()
+        .map(|e| format!("    static constexpr int kClusterSmemBytes = ({e});\n"))
+        .unwrap_or_default();
+    format!(
+        "namespace forms {{\ntemplate <{params}> struct {name} {{\n\
+         \x20   static constexpr int kThreadsPerCta = ({threads});\n\
+         \x20   static constexpr int kSmemBytes = ({smem});\n\
+         {cluster}\
+         \x20   static __device__ __forceinline__ void run(const {p}& p) {{ {kernel}(p); }}\n\
+         }};\n}}  // namespace forms\n",
+        params = wrapper_params(form),
+        name = form.name,
+        threads = form.threads,
+        smem = form.smem,
+        p = form.params,
+        kernel = form.kernel,
+    )
+}
+
+fn module_source(members: &[&Instance]) -> Result<String, String> {
+    let mut code = String::from("// Generated by build.rs from kernels/kernels.toml.\n");
+    let mut forms: Vec<&Form> = Vec::new();
+    for inst in members {
+        if !forms.iter().any(|f| f.name == inst.form.name) {
+            forms.push(inst.form);
+        }
+    }
+    let mut headers: Vec<&str> = forms.iter().map(|f| f.header.as_str()).collect();
+    headers.dedup();
+    for h in headers {
+        writeln!(code, "#include \"{h}\"").unwrap();
+    }
+    for form in &forms {
+        code.push_str(&wrapper_struct(form));
+    }
+    for inst in members {
+        let wrapper = inst.wrapper()?;
+        let bounds = match inst.form.min_ctas_per_sm {
+            0 => format!("{wrapper}::kThreadsPerCta"),
+            n => format!("{wrapper}::kThreadsPerCta, {n}"),
+        };
+        writeln!(
+            code,
+            "extern \"C\" __global__ void __launch_bounds__({bounds}) {}(const {} p) {{ {wrapper}::run(p); }}",
+            inst.symbol(),
+            inst.form.params,
+        )
+        .unwrap();
+    }
+    Ok(code)
+}
+
+/// A launch parameter block as its header declares it: fields in order, with their C types.
+struct Layout {
+    name: String,
+    fields: Vec<(String, String)>,
+}
+
+fn table_source_code(spec: &Spec, instances: &[Instance]) -> Result<(String, Vec<Layout>), String> {
+    let mut code = String::from("// Generated by build.rs from kernels/kernels.toml.\n#include <cstddef>\n");
+    let mut headers: Vec<&str> = spec.form.iter().map(|f| f.header.as_str()).collect();
+    headers.extend(spec.params.iter().map(|p| p.header.as_str()));
+    headers.extend(spec.constants.iter().map(|c| c.header.as_str()));
+    headers.sort();
+    headers.dedup();
+    for h in headers {
+        writeln!(code, "#include \"{h}\"").unwrap();
+    }
+    for form in &spec.form {
+        code.push_str(&wrapper_struct(form));
+    }
+    let global = |code: &mut String, name: &str, expr: &str| {
+        writeln!(code, "extern \"C\" __device__ const long long {name} = ({expr});").unwrap();
+    };
+    for inst in instances {
+        let w = inst.wrapper()?;
+        let sym = inst.symbol();
+        global(&mut code, &format!("{sym}__threads"), &format!("{w}::kThreadsPerCta"));
+        global(&mut code, &format!("{sym}__smem"), &format!("{w}::kSmemBytes"));
+        if inst.form.cluster_smem.is_some() {
+            global(&mut code, &format!("{sym}__cluster_smem"), &format!("{w}::kClusterSmemBytes"));
+        }
+    }
+    let mut layouts = Vec::new();
+    for p in &spec.params {
+        let layout = parse_struct(&read_header(&p.header)?, &p.name)
+            .map_err(|e| format!("{KERNEL_DIR}/{}: {e}", p.header))?;
+        global(&mut code, &format!("{}__size", p.name), &format!("sizeof({})", p.name));
+        for (field, _) in &layout.fields {
+            global(
+                &mut code,
+                &format!("{}__offset__{field}", p.name),
+                &format!("offsetof({}, {field})", p.name),
+            );
+        }
+        layouts.push(layout);
+    }
+    for c in &spec.constants {
+        global(&mut code, &format!("const__{}", c.rust), &c.name);
+    }
+    Ok((code, layouts))
+}
+
+fn read_header(header: &str) -> Result<String, String> {
+    let path = Path::new(KERNEL_DIR).join(header);
+    fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))
+}
+
+/// `text` without `//` and `/* */` comments.
+fn strip_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while !rest.is_empty() {
+        if let Some(after) = rest.strip_prefix("//") {
+            rest = after.find('\n').map_or("", |i| &after[i..]);
+        } else if let Some(after) = rest.strip_prefix("/*") {
+            rest = after.find("*/").map_or("", |i| &after[i + 2..]);
+        } else {
+            let c = rest.chars().next().unwrap_or(' ');
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    out
+}
+
+/// The body between `{` and `}` of the declaration that starts with `opening`.
+fn body_of<'a>(text: &'a str, opening: &str) -> Result<&'a str, String> {
+    let start = text
+        .find(opening)
+        .ok_or_else(|| format!("no `{opening}` found"))?;
+    let open = start + text[start..].find('{').ok_or("no opening brace")?;
+    let close = open + text[open..].find('}').ok_or("no closing brace")?;
+    Ok(&text[open + 1..close])
+}
+
+fn parse_struct(header: &str, name: &str) -> Result<Layout, String> {
+    let text = strip_comments(header);
+    let body = body_of(&text, &format!("struct {name} {{"))?;
+    let mut fields = Vec::new();
+    for decl in body.split(';').map(str::trim).filter(|d| !d.is_empty()) {
+        let mut parts = decl.split(',').map(str::trim);
+        let first = parts.next().unwrap_or_default();
+        let split = first
+            .rfind(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .ok_or_else(|| format!("cannot read the declaration `{decl}` in struct {name}"))?;
+        let (ty, field) = (first[..=split].trim(), first[split + 1..].trim());
+        fields.push((field.to_string(), ty.to_string()));
+        for more in parts {
+            if more.contains('*') || !more.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                return Err(format!(
+                    "struct {name}: declare `{more}` on a line of its own (one pointer per line)"
+                ));
+            }
+            fields.push((more.to_string(), ty.to_string()));
+        }
+    }
+    Ok(Layout {
+        name: name.to_string(),
+        fields,
+    })
+}
+
+/// The Rust type that has a C type's size and alignment in a parameter block.
+fn rust_type(cxx: &str) -> Result<&'static str, String> {
+    if cxx.contains('*') {
+        return Ok("u64");
+    }
+    Ok(match cxx {
+        "int" => "i32",
+        "unsigned" | "unsigned int" | "uint32_t" => "u32",
+        "long long" => "i64",
+        "float" => "f32",
+        other => return Err(format!("no Rust twin for the C type `{other}`; add it to build.rs")),
+    })
+}
+
+fn parse_enum(header: &str, spec: &EnumSpec) -> Result<Vec<(String, i64)>, String> {
+    let text = strip_comments(header);
+    let body = body_of(&text, &format!("enum {} ", spec.name))?;
+    let mut variants = Vec::new();
+    for item in body.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, value) = item
+            .split_once('=')
+            .ok_or_else(|| format!("enum {}: give `{item}` an explicit value", spec.name))?;
+        let name = name.trim();
+        let rust = name.strip_prefix(spec.prefix.as_str()).ok_or_else(|| {
+            format!("enum {}: `{name}` does not start with `{}`", spec.name, spec.prefix)
+        })?;
+        let value: i64 = value
+            .trim()
+            .parse()
+            .map_err(|_| format!("enum {}: `{item}` needs an integer value", spec.name))?;
+        variants.push((rust.to_string(), value));
+    }
+    Ok(variants)
+}
+
+fn rust_table(
+    spec: &Spec,
+    instances: &[Instance],
+    modules: &BTreeMap<String, Vec<&Instance>>,
+    layouts: &[Layout],
+    values: &BTreeMap<String, i64>,
+) -> Result<String, String> {
+    let value = |name: &str| -> Result<i64, String> {
+        values
+            .get(name)
+            .copied()
+            .ok_or_else(|| format!("the compiler did not evaluate `{name}`"))
+    };
+    let mut code = String::from("// Generated by build.rs from kernels/kernels.toml.\n\n");
+
+    code.push_str(
+        "/// The kernel forms of `kernels/kernels.toml`.\n\
+         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]\n\
+         #[allow(dead_code)]\n\
+         pub(crate) enum KernelForm {\n",
+    );
+    for form in &spec.form {
+        writeln!(code, "    {},", form.name).unwrap();
+    }
+    code.push_str("}\n\n");
+
+    for module in modules.keys() {
+        writeln!(
+            code,
+            "const PTX_{}: &str = include_str!(concat!(env!(\"OUT_DIR\"), \"/{module}.ptx\"));",
+            module.to_uppercase()
+        )
+        .unwrap();
+    }
+    code.push_str("\n/// Every compiled instance.\npub(crate) static KERNELS: &[KernelSpec] = &[\n");
+    for inst in instances {
+        let sym = inst.symbol();
+        let cluster = if inst.form.cluster_smem.is_some() {
+            value(&format!("{sym}__cluster_smem"))?
+        } else {
+            0
+        };
+        writeln!(
+            code,
+            "    KernelSpec {{ form: KernelForm::{form}, dtype: candle_core::DType::{dtype}, \
+             head_dim: {d}, group: {g}, symbol: \"{sym}\", module: \"{module}\", \
+             ptx: PTX_{upper}, threads: {threads}, smem_bytes: {smem}, \
+             cluster_smem_bytes: {cluster} }},",
+            form = inst.form.name,
+            dtype = inst.dtype.to_uppercase(),
+            d = inst.head_dim.unwrap_or(0),
+            g = inst.group.unwrap_or(0),
+            module = inst.module(),
+            upper = inst.module().to_uppercase(),
+            threads = value(&format!("{sym}__threads"))?,
+            smem = value(&format!("{sym}__smem"))?,
+        )
+        .unwrap();
+    }
+    code.push_str("];\n\n");
+
+    for layout in layouts {
+        writeln!(
+            code,
+            "/// `{}` of the kernels, field for field.\n\
+             #[repr(C)]\n#[derive(Debug, Clone, Copy)]\n#[allow(dead_code)]\n\
+             pub(crate) struct {} {{",
+            layout.name, layout.name
+        )
+        .unwrap();
+        for (field, ty) in &layout.fields {
+            writeln!(code, "    pub {field}: {},", rust_type(ty)?).unwrap();
+        }
+        code.push_str("}\n\n");
+        writeln!(
+            code,
+            "// SAFETY: plain-old-data with the C layout the kernels expect (checked below).\n\
+             unsafe impl cudarc::driver::DeviceRepr for {} {{}}",
+            layout.name
+        )
+        .unwrap();
+        writeln!(
+            code,
+            "const _: () = assert!(std::mem::size_of::<{}>() == {});",
+            layout.name,
+            value(&format!("{}__size", layout.name))?
+        )
+        .unwrap();
+        for (field, _) in &layout.fields {
+            writeln!(
+                code,
+                "const _: () = assert!(std::mem::offset_of!({}, {field}) == {});",
+                layout.name,
+                value(&format!("{}__offset__{field}", layout.name))?
+            )
+            .unwrap();
+        }
+        code.push('\n');
+    }
+
+    for e in &spec.enums {
+        let variants = parse_enum(&read_header(&e.header)?, e)
+            .map_err(|err| format!("{KERNEL_DIR}/{}: {err}", e.header))?;
+        writeln!(
+            code,
+            "/// `{}` of the kernels.\n\
+             #[repr(i32)]\n#[derive(Debug, Clone, Copy, PartialEq, Eq)]\n#[allow(dead_code)]\n\
+             pub(crate) enum {} {{",
+            e.name, e.name
+        )
+        .unwrap();
+        for (name, v) in variants {
+            writeln!(code, "    {name} = {v},").unwrap();
+        }
+        code.push_str("}\n\n");
+    }
+
+    for c in &spec.constants {
+        writeln!(
+            code,
+            "/// `{}` of the kernels.\npub(crate) const {}: usize = {};",
+            c.name,
+            c.rust,
+            value(&format!("const__{}", c.rust))?
+        )
+        .unwrap();
+    }
+    Ok(code)
+}
+
+/// The `.global` constants of a PTX file: `name = value` for each integer global.
+fn ptx_globals(ptx: &Path) -> Result<BTreeMap<String, i64>, String> {
+    let text = fs::read_to_string(ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
+    let mut values = BTreeMap::new();
+    for line in text.lines().map(str::trim) {
+        if !line.starts_with(".global") && !line.starts_with(".visible .global") {
+            continue;
+        }
+        // A global without an initializer is zero.
+        let line = line.trim_end_matches(';');
+        let (lhs, rhs) = line.split_once('=').unwrap_or((line, "0"));
+        let Some(name) = lhs.split_whitespace().last() else {
+            continue;
+        };
+        if let Ok(v) = rhs.trim().parse::<i64>() {
+            values.insert(name.to_string(), v);
+        }
+    }
+    Ok(values)
+}
+
+/// Runs nvcc on every (source, ptx) pair at once.
+fn compile_all(nvcc: &Path, compute_cap: &str, jobs: &[(PathBuf, PathBuf)]) -> Result<(), String> {
+    let spawn = |source: &Path, ptx: &Path| -> Result<Child, String> {
+        Command::new(nvcc)
             .arg("--ptx")
             .arg(format!("--gpu-architecture=compute_{compute_cap}"))
             .args(["-O3", "-std=c++17", "-Werror", "all-warnings"])
             .arg("-I")
-            .arg(kernel_dir)
+            .arg(KERNEL_DIR)
             .arg("-o")
-            .arg(&ptx)
+            .arg(ptx)
             .arg(source)
-            .output()
-            .map_err(|e| format!("running {}: {e}", nvcc.display()))?;
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("running {}: {e}", nvcc.display()))
+    };
+    let children = jobs
+        .iter()
+        .map(|(source, ptx)| spawn(source, ptx).map(|c| (source, c)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut failures = String::new();
+    for (source, child) in children {
+        let output = child
+            .wait_with_output()
+            .map_err(|e| format!("waiting for nvcc: {e}"))?;
         if !output.status.success() {
-            return Err(format!(
+            write!(
+                failures,
                 "nvcc failed on {}:\n{}{}",
                 source.display(),
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)
-            ));
+            )
+            .unwrap();
         }
     }
-    println!("cargo:rustc-env=CANDLE_SPLITKV_COMPUTE_CAP={compute_cap}");
-    Ok(())
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures)
+    }
+}
+
+fn cxx_type(dtype: &str) -> Result<&'static str, String> {
+    Ok(match dtype {
+        "f32" => "float",
+        "f16" => "__half",
+        "bf16" => "__nv_bfloat16",
+        other => return Err(format!("{SPEC}: unknown dtype {other:?}; use f32, f16 or bf16")),
+    })
+}
+
+/// `TensorCoreLastCta` → `tensor_core_last_cta`.
+fn snake(name: &str) -> String {
+    let mut s = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            s.push('_');
+        }
+        s.push(c.to_ascii_lowercase());
+    }
+    s
+}
+
+fn write(path: &Path, text: &str) -> Result<(), String> {
+    // Rewriting an unchanged file would make cargo rebuild what includes it.
+    if fs::read_to_string(path).is_ok_and(|old| old == text) {
+        return Ok(());
+    }
+    fs::write(path, text).map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
 /// `NVCC`, then `bin/nvcc` under `CUDA_ROOT`, `CUDA_HOME` or `CUDA_PATH`, then `nvcc` on PATH.

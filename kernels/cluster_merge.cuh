@@ -9,7 +9,8 @@
 
 #include "common.cuh"
 
-// Largest cluster the host asks for (the non-portable H100/H200 limit); src/cuda.rs MAX_CLUSTER.
+// Largest cluster the host asks for (the non-portable H100/H200 limit); the host reads it from
+// the generated kernel table.
 constexpr int kMaxCluster = 16;
 
 // The receive area of a CTA: what the sources pushed to it, then every source's LSEs,

@@ -253,23 +253,3 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 
     merge_warps_and_store<T, D, GMAX>(p, merge, group, split, kv_head, b, nullptr);
 }
-
-#define DECODE_KERNEL(NAME, T, D, GMAX)                                                      \
-    extern "C" __global__ void __launch_bounds__(kThreads) NAME##_d##D##_g##GMAX(           \
-        const DecodeParams p) {                                                              \
-        decode_partial<T, D, GMAX>(p);                                                       \
-    }
-
-#define DECODE_GROUPS(NAME, T, D) \
-    DECODE_KERNEL(NAME, T, D, 1)  \
-    DECODE_KERNEL(NAME, T, D, 2)  \
-    DECODE_KERNEL(NAME, T, D, 4)  \
-    DECODE_KERNEL(NAME, T, D, 8)  \
-    DECODE_KERNEL(NAME, T, D, 16)
-
-#define DECODE_DIMS(NAME, T)     \
-    DECODE_GROUPS(NAME, T, 64)   \
-    DECODE_GROUPS(NAME, T, 80)   \
-    DECODE_GROUPS(NAME, T, 96)   \
-    DECODE_GROUPS(NAME, T, 128)  \
-    DECODE_GROUPS(NAME, T, 256)

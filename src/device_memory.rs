@@ -20,37 +20,8 @@ use candle_core::{Device, Result};
 pub fn retain_freed_device_memory(device: &Device) -> Result<()> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(dev) => cuda::retain_freed_memory(dev),
+        Device::Cuda(dev) => crate::cuda::memory::retain_freed_memory(dev),
         _ => Ok(()),
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::{CudaDevice, Result};
-    use cudarc::driver::{result, sys};
-
-    pub fn retain_freed_memory(dev: &CudaDevice) -> Result<()> {
-        let context = dev.cuda_stream().context().clone();
-        if !context.has_async_alloc() {
-            // No pool: allocations go straight to the driver and nothing is churned.
-            return Ok(());
-        }
-        context.bind_to_thread().map_err(candle_core::Error::wrap)?;
-        let mut keep_all = u64::MAX;
-        // SAFETY: the device handle comes from a live context, the pool is that device's current
-        // one, and the release-threshold attribute takes a u64.
-        unsafe {
-            let pool = result::device::get_mem_pool(context.cu_device())
-                .map_err(candle_core::Error::wrap)?;
-            result::mem_pool::set_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep_all as *mut u64).cast(),
-            )
-            .map_err(candle_core::Error::wrap)?;
-        }
-        Ok(())
     }
 }
 

@@ -24,31 +24,23 @@
 //! # Ok(()) }
 //! ```
 
-pub mod attention;
-pub mod cache;
-mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_launch;
 mod device_memory;
-pub mod fused_linear;
+#[cfg(feature = "models")]
 pub mod models;
+pub mod nn;
 mod op;
-pub mod plan;
-#[cfg(feature = "cuda")]
-mod split_counters;
-mod validate;
-mod wide_groups;
 
 use candle_core::{Result, Tensor};
 
-pub use attention::{cached_attention, AttentionBackend, CachedAttention};
-pub use cache::{KvCache, KvCacheConfig};
 pub use device_memory::retain_freed_device_memory;
-pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
+pub use nn::attention::{self, cached_attention, AttentionBackend, CachedAttention};
+pub use nn::cache::{self, KvCache, KvCacheConfig};
+pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, LinearOutput};
+pub use op::plan;
+pub use op::validate::SUPPORTED_HEAD_DIMS;
 pub use op::{CudaKernel, SplitKvAttention};
-pub use validate::SUPPORTED_HEAD_DIMS;
 
 /// Decode attention of one query token per sequence over the whole of k and v.
 pub fn flash_decode(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<Tensor> {

@@ -2,20 +2,18 @@
 //! clusters that let the blocks of one kv head share its K/V through L2.
 
 use candle_core::{CudaDevice, Result};
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
-use super::{DecodeKernel, DECODE_THREADS};
-use crate::cuda_launch::{compiled_compute_cap, resident_clusters, ClusterDims};
-use crate::op::CudaKernel;
-use crate::plan::{aligned, SplitPlan};
-use crate::wide_groups::QueryBlocks;
+use super::kernels::KernelForm;
+use super::launch::{compiled_compute_cap, resident_clusters, ClusterDims};
+use super::planner::DecodeKernel;
+use super::wide_groups::QueryBlocks;
+use crate::op::plan::{aligned, SplitPlan};
 
 /// K+V bytes times blocks per kv head from which a wide group's blocks fill every resident slot
 /// (two CTAs per SM) rather than one per SM. Each block streams its kv head's K/V, so a group of
 /// n blocks does n passes of tensor-core work per byte, and one CTA per SM leaves the pass bound
-/// by that work (H200, bf16, b = 16, 48/1, d 128, 64K: 96 CTAs 286 µs, 240 CTAs 179 µs; 71/1,
-/// d 64, 4K, 16 MiB × 5 blocks: 19.7 → 14.3 µs); below it the extra splits cost more than they
-/// gain (b = 1, 64/2, d 128, 16K, 16 MiB × 2 blocks: 12.3 → 14.7 µs).
+/// by that work; below it the extra splits cost more than they gain (docs/perf-log.md, v3ae–v3ag).
 const WIDE_FILL_WORK_BYTES: usize = 64 << 20;
 
 /// Whether this call's plan fills every resident slot: a wide group on the tensor-core kernels
@@ -24,9 +22,7 @@ pub(super) fn fills_every_slot(kernel: &DecodeKernel, blocks: &QueryBlocks) -> b
     let dims = &blocks.dims;
     // `dims.kv_heads` counts blocks, so this is the K/V bytes times the blocks that read them.
     let work_bytes = 2 * dims.batch * dims.kv_heads * dims.kv_len * dims.head_dim * 2;
-    kernel.family == CudaKernel::TensorCore
-        && blocks.blocks_per_kv_head > 1
-        && work_bytes >= WIDE_FILL_WORK_BYTES
+    kernel.is_tensor_core() && blocks.blocks_per_kv_head > 1 && work_bytes >= WIDE_FILL_WORK_BYTES
 }
 
 /// Blocks of query heads per K/V head that run as one cluster in lock step at most: the portable
@@ -37,26 +33,29 @@ const MAX_LOCKSTEP_BLOCKS: usize = 8;
 /// measured the same).
 pub(super) const LOCKSTEP_TILES: i32 = 4;
 
-/// How many clusters of one kv head's blocks the lockstep form of `kernel` (suffix
-/// `merge_suffix` + `_lockstep`) holds at once with two CTAs per SM, and the form; `None` where
-/// there is no lockstep form: groups of one block or more than [`MAX_LOCKSTEP_BLOCKS`], the
-/// persistent and CUDA-core kernels, builds before sm_90.
+/// How many clusters of one kv head's blocks the lockstep form of `kernel` (merging in the last
+/// CTA or not) holds at once with two CTAs per SM, and their shape; `None` where there is no
+/// lockstep form: groups of one block or more than [`MAX_LOCKSTEP_BLOCKS`], the persistent and
+/// CUDA-core kernels, builds before sm_90.
 fn lockstep_residency(
     dev: &CudaDevice,
     kernel: &DecodeKernel,
     blocks: &QueryBlocks,
-    merge_suffix: &str,
-) -> Result<Option<(usize, ClusterDims, CudaFunction)>> {
+    last_cta: bool,
+) -> Result<Option<(usize, ClusterDims)>> {
     let per_head = blocks.blocks_per_kv_head;
-    if kernel.family != CudaKernel::TensorCore
-        || kernel.persistent
+    if kernel.spec.form != KernelForm::TensorCore
         || compiled_compute_cap() < 90
         || !(2..=MAX_LOCKSTEP_BLOCKS).contains(&per_head)
     {
         return Ok(None);
     }
-    let suffix = format!("{merge_suffix}_lockstep");
-    let func = kernel.form(dev, &suffix)?;
+    let form = if last_cta {
+        KernelForm::TensorCoreLastCtaLockstep
+    } else {
+        KernelForm::TensorCoreLockstep
+    };
+    let (spec, func) = kernel.form(dev, form)?;
     let shape = ClusterDims {
         x: 1,
         y: per_head as u32,
@@ -64,26 +63,23 @@ fn lockstep_residency(
     // The occupancy query wants a grid of whole clusters.
     let cfg = LaunchConfig {
         grid_dim: (1, shape.y, 1),
-        block_dim: (DECODE_THREADS, 1, 1),
-        shared_mem_bytes: kernel.smem_bytes as u32,
+        block_dim: (spec.threads, 1, 1),
+        shared_mem_bytes: spec.smem_bytes as u32,
     };
-    let name = format!("{}{suffix}", kernel.name);
-    let resident = resident_clusters(dev, &name, &func, &cfg, shape)?;
-    Ok(Some((resident, shape, func)))
+    let resident = resident_clusters(dev, spec.symbol, &func, &cfg, shape)?;
+    Ok(Some((resident, shape)))
 }
 
 /// Where a filling plan's lockstep clusters would not all be resident, the plan with as many
 /// splits as they allow, if that keeps more than four fifths of them: a cluster left for a second
-/// wave doubles the call, and beyond that fewer splits cost more than lock step gains (H200,
-/// bf16, 48/1, d 128, L = 64K: b = 4, 19 splits in lock step 52.3 µs against 22 splits without
-/// it 66.8; b = 16, 4 splits in lock step 208 µs against 5 without it 179).
+/// wave doubles the call, and beyond that fewer splits cost more than lock step gains.
 pub(super) fn lockstep_plan(
     dev: &CudaDevice,
     kernel: &DecodeKernel,
     blocks: &QueryBlocks,
     plan: SplitPlan,
 ) -> Result<Option<SplitPlan>> {
-    let Some((resident, _, _)) = lockstep_residency(dev, kernel, blocks, "")? else {
+    let Some((resident, _)) = lockstep_residency(dev, kernel, blocks, false)? else {
         return Ok(None);
     };
     let dims = &blocks.dims;
@@ -95,7 +91,7 @@ pub(super) fn lockstep_plan(
     Ok(Some(aligned(dims.kv_len, fitting)))
 }
 
-/// The cluster shape and kernel form that run each kv head's blocks in lock step (`LOCKSTEP` in
+/// The cluster shape that runs each kv head's blocks in lock step (`LOCKSTEP` in
 /// kernels/split_kv_decode_mma.cuh), so that the first block to stream a tile leaves it in L2 for
 /// the others: for plans that fill every slot, where every cluster of the grid is resident at
 /// once. `None` runs the plain form.
@@ -103,17 +99,16 @@ pub(super) fn lockstep_cluster(
     dev: &CudaDevice,
     kernel: &DecodeKernel,
     blocks: &QueryBlocks,
-    merge_suffix: &str,
+    last_cta: bool,
     num_splits: usize,
-) -> Result<Option<(ClusterDims, CudaFunction)>> {
+) -> Result<Option<ClusterDims>> {
     if !fills_every_slot(kernel, blocks) {
         return Ok(None);
     }
-    let Some((resident, shape, func)) = lockstep_residency(dev, kernel, blocks, merge_suffix)?
-    else {
+    let Some((resident, shape)) = lockstep_residency(dev, kernel, blocks, last_cta)? else {
         return Ok(None);
     };
     let dims = &blocks.dims;
     let clusters = num_splits * dims.batch * dims.kv_heads / blocks.blocks_per_kv_head;
-    Ok((clusters <= resident).then_some((shape, func)))
+    Ok((clusters <= resident).then_some(shape))
 }

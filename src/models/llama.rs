@@ -19,11 +19,11 @@ use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::linear::Linear;
-use crate::attention::CachedAttention;
-use crate::cache::{KvCache, KvCacheConfig};
+use crate::nn::attention::CachedAttention;
+use crate::nn::cache::{KvCache, KvCacheConfig};
 
 pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
-pub use crate::attention::AttentionBackend;
+pub use crate::nn::attention::AttentionBackend;
 pub use config::{LlamaConfig, RopeScaling};
 use joined::{JoinedHead, JoinedLayer, LayerTensors};
 pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};

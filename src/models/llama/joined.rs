@@ -6,9 +6,9 @@
 use candle_core::{Result, Tensor};
 
 use super::rope::RopeAngles;
-use crate::attention::CachedAttention;
-use crate::cache::KvCache;
-use crate::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
+use crate::nn::attention::CachedAttention;
+use crate::nn::cache::KvCache;
+use crate::nn::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 
 /// The dense weights of one layer, in the layout the fused kernels read.
 #[derive(Debug, Clone)]

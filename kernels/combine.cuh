@@ -8,9 +8,11 @@
 // the split lanes merge once through shared memory. Up to kBatch · (128 / (D / 4)) splits (32 at
 // D = 128) cost one round trip.
 
+#pragma once
+
 #include "common.cuh"
 
-constexpr int kCombineThreads = 128;  // src/cuda.rs COMBINE_THREADS
+constexpr int kCombineThreads = 128;
 constexpr int kBatch = 8;             // splits in flight per thread
 
 // A running (max, sum, weighted row slice) of base-2 LSE-weighted partial outputs.
@@ -89,14 +91,4 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     }
     if (threadIdx.x == 0 && p.lse_out != nullptr)
         p.lse_out[row] = total > 0.f ? (m + __log2f(total)) * kLn2 : -INFINITY;
-}
-
-extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_f16(const CombineParams p) {
-    combine<__half>(p);
-}
-extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_bf16(const CombineParams p) {
-    combine<__nv_bfloat16>(p);
-}
-extern "C" __global__ void __launch_bounds__(kCombineThreads) split_kv_combine_f32(const CombineParams p) {
-    combine<float>(p);
 }

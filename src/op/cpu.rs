@@ -5,17 +5,22 @@
 //! (running-max, base-2) softmax per head. Each task leaves a normalised partial output and its
 //! log-sum-exp; a second parallel pass merges the splits of each `(batch, q head)`.
 
-use crate::plan::SplitPlan;
-use crate::validate::{DecodeDims, RowStrides};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, Device, Layout, Result};
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
+
+use super::call::DecodeCall;
+use super::merge::{merge_normalised, MergeState};
+use super::plan::{SplitPlan, MIN_CHUNK};
+use super::validate::{self, DecodeDims, RowStrides};
 
 /// Positions scored together before their values are accumulated. Large enough to amortise the
 /// softmax rescale, small enough for the scores to stay in L1.
 const TILE: usize = 32;
 
 /// A storage element the CPU path can read and write.
-pub trait Element: Copy + Send + Sync + 'static {
+pub(crate) trait Element: Copy + Send + Sync + 'static {
     const ZERO: Self;
     /// `src` as f32, either borrowed (f32 input) or converted into `buf`.
     fn row_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
@@ -57,8 +62,72 @@ impl Element for bf16 {
     }
 }
 
+/// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
+pub(crate) fn parallel_slots() -> usize {
+    4 * rayon::current_num_threads()
+}
+
+/// Runs a validated call on CPU storage: the output in q's dtype, and the natural-log LSE
+/// `(b, h_q)`.
+pub(crate) fn forward(
+    call: &DecodeCall,
+    (q, q_layout): (&CpuStorage, &Layout),
+    (k, k_layout): (&CpuStorage, &Layout),
+    (v, v_layout): (&CpuStorage, &Layout),
+) -> Result<(CpuStorage, Vec<f32>)> {
+    let seqlens = match call.seqlens_k {
+        None => None,
+        Some(seqlens) => {
+            let lens = seqlens.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
+            validate::check_seqlen_values(&lens, call.dims.kv_len)?;
+            Some(lens)
+        }
+    };
+    let plan = call.split_plan(parallel_slots(), MIN_CHUNK);
+    fn typed<'a, T: Element>(
+        call: &DecodeCall,
+        seqlens: Option<&'a [u32]>,
+        q: (&'a [T], &Layout),
+        k: (&'a [T], &Layout),
+        v: (&'a [T], &Layout),
+        plan: SplitPlan,
+    ) -> (Vec<T>, Vec<f32>) {
+        let inputs = DecodeInputs {
+            q: q.0,
+            q_strides: RowStrides::of(q.1),
+            k: k.0,
+            k_strides: RowStrides::of(k.1),
+            v: v.0,
+            v_strides: RowStrides::of(v.1),
+            seqlens,
+            dims: call.dims,
+            softmax_scale: call.softmax_scale,
+        };
+        decode(&inputs, plan)
+    }
+    let lens = seqlens.as_deref();
+    Ok(match (q, k, v) {
+        (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            (CpuStorage::F32(out), lse)
+        }
+        (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            (CpuStorage::F16(out), lse)
+        }
+        (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            (CpuStorage::BF16(out), lse)
+        }
+        _ => bail!(
+            "split-kv attention: unsupported dtype {:?}; use f32, f16 or bf16",
+            q.dtype()
+        ),
+    })
+}
+
 /// One decode call's inputs, borrowed from candle's storage.
-pub struct DecodeInputs<'a, T> {
+pub(crate) struct DecodeInputs<'a, T> {
     pub q: &'a [T],
     pub q_strides: RowStrides,
     pub k: &'a [T],
@@ -73,7 +142,7 @@ pub struct DecodeInputs<'a, T> {
 
 /// Runs the op. Returns the output `(b, 1, h_q, d)` contiguous in `T`, and the natural-log LSE
 /// `(b, h_q)` in f32.
-pub fn decode<T: Element>(inputs: &DecodeInputs<'_, T>, plan: SplitPlan) -> (Vec<T>, Vec<f32>) {
+pub(crate) fn decode<T: Element>(inputs: &DecodeInputs<'_, T>, plan: SplitPlan) -> (Vec<T>, Vec<f32>) {
     let dims = inputs.dims;
     let group = dims.group_size();
     let d = dims.head_dim;
@@ -101,44 +170,16 @@ pub fn decode<T: Element>(inputs: &DecodeInputs<'_, T>, plan: SplitPlan) -> (Vec
             let (batch, q_head) = (row / dims.q_heads, row % dims.q_heads);
             let (kv_head, member) = (q_head / group, q_head % group);
             let first_task = (batch * dims.kv_heads + kv_head) * plan.num_splits;
-            let split_lse = |s: usize| partial_lse[(first_task + s) * group + member];
-            let split_out = |s: usize| {
-                let start = ((first_task + s) * group + member) * d;
-                &partial_out[start..start + d]
-            };
-            *lse = merge_splits(plan.num_splits, split_lse, split_out, out);
+            let splits = (0..plan.num_splits).map(|s| {
+                let part = (first_task + s) * group + member;
+                (partial_lse[part], &partial_out[part * d..(part + 1) * d])
+            });
+            *lse = merge_normalised(splits, out, Portable::axpy) * std::f32::consts::LN_2;
         });
 
     let mut out_t = vec![T::ZERO; out.len()];
     T::from_f32_slice(&out, &mut out_t);
     (out_t, lse)
-}
-
-/// Merges per-split normalised outputs by their LSEs into `out`; returns the merged LSE.
-/// A split with lse = -inf has weight 0; if all are -inf, `out` is zero and the LSE is -inf.
-fn merge_splits<'a>(
-    num_splits: usize,
-    split_lse: impl Fn(usize) -> f32,
-    split_out: impl Fn(usize) -> &'a [f32],
-    out: &mut [f32],
-) -> f32 {
-    let max = (0..num_splits)
-        .map(&split_lse)
-        .fold(f32::NEG_INFINITY, f32::max);
-    out.fill(0.0);
-    if max == f32::NEG_INFINITY {
-        return f32::NEG_INFINITY;
-    }
-    let weights: Vec<f32> = (0..num_splits)
-        .map(|s| (split_lse(s) - max).exp())
-        .collect();
-    let total: f32 = weights.iter().sum();
-    for (s, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            Portable::axpy(w / total, split_out(s), out);
-        }
-    }
-    max + total.ln()
 }
 
 /// [`attend_chunk`] compiled for the best instruction set this CPU has.
@@ -178,7 +219,7 @@ unsafe fn attend_chunk_avx2<T: Element>(
 }
 
 /// The partial pass of one `(batch, kv head, split)`: writes the group's normalised outputs
-/// (`group × d`) and natural-log LSEs.
+/// (`group × d`) and base-2 LSEs.
 #[inline(always)]
 fn attend_chunk<T: Element, S: InnerLoops>(
     inputs: &DecodeInputs<'_, T>,
@@ -215,8 +256,7 @@ fn attend_chunk<T: Element, S: InnerLoops>(
         }
     }
 
-    let mut running_max = vec![f32::NEG_INFINITY; group];
-    let mut running_sum = vec![0f32; group];
+    let mut states: Vec<MergeState> = out.chunks_exact_mut(d).map(MergeState::new).collect();
     let mut probs = vec![0f32; group * TILE];
     for tile_start in (start..end).step_by(TILE) {
         let tile_len = TILE.min(end - tile_start);
@@ -227,37 +267,25 @@ fn attend_chunk<T: Element, S: InnerLoops>(
                 probs[member * TILE + t] = S::dot(query, key);
             }
         }
-        for member in 0..group {
+        for (member, state) in states.iter_mut().enumerate() {
             let scores = &mut probs[member * TILE..member * TILE + tile_len];
-            let tile_max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let new_max = running_max[member].max(tile_max);
-            let rescale = (running_max[member] - new_max).exp2();
+            state.raise_max(scores.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+            let max = state.max();
             for s in scores.iter_mut() {
-                *s = S::exp2_nonpositive(*s - new_max);
+                *s = S::exp2_nonpositive(*s - max);
             }
-            let tile_sum: f32 = scores.iter().sum();
-            running_sum[member] = running_sum[member] * rescale + tile_sum;
-            running_max[member] = new_max;
-            if rescale != 1.0 {
-                out[member * d..(member + 1) * d]
-                    .iter_mut()
-                    .for_each(|o| *o *= rescale);
-            }
+            state.add_weight(scores.iter().sum());
         }
         for t in 0..tile_len {
             let at = inputs.v_strides.row(batch, tile_start + t, kv_head);
             let value = T::row_f32(&inputs.v[at..at + d], &mut row_buf);
-            for (member, acc) in out.chunks_exact_mut(d).enumerate() {
-                S::axpy(probs[member * TILE + t], value, acc);
+            for (member, state) in states.iter_mut().enumerate() {
+                S::axpy(probs[member * TILE + t], value, state.acc_mut());
             }
         }
     }
-    for member in 0..group {
-        let inv = 1.0 / running_sum[member];
-        out[member * d..(member + 1) * d]
-            .iter_mut()
-            .for_each(|o| *o *= inv);
-        lse[member] = (running_max[member] + running_sum[member].log2()) * std::f32::consts::LN_2;
+    for (state, lse) in states.into_iter().zip(lse.iter_mut()) {
+        *lse = state.finish();
     }
 }
 
@@ -348,7 +376,7 @@ impl InnerLoops for Fused {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::validate::DecodeDims;
+    use crate::op::validate::DecodeDims;
 
     fn check_exp2<S: InnerLoops>() {
         let mut worst = 0f64;

@@ -7,7 +7,7 @@
 
 use candle_core::{bail, DType, Result, Tensor};
 
-use crate::cache::KvCache;
+use super::cache::KvCache;
 
 /// Which attention runs over the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -234,6 +234,17 @@ fn blocked_causal(
         .to_dtype(out_dtype)
 }
 
+/// `(b, kv_heads, L, d)` with each head repeated `group` times in place: `(b, kv_heads · group, L, d)`.
+fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    let (b, kv_heads, len, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .broadcast_as((b, kv_heads, group, len, d))?
+        .reshape((b, kv_heads * group, len, d))
+}
+
 /// Candle's naive attention: K/V repeated per query head, full `(t, past + t)` scores, causal mask
 /// when `t > 1`, softmax, in f32.
 fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) -> Result<Tensor> {
@@ -242,9 +253,8 @@ fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) ->
     let kv_len = k_all.dim(1)?;
     let group = q_heads / k_all.dim(2)?;
     let q = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
-    let k = candle_transformers::utils::repeat_kv(k_all.transpose(1, 2)?, group)?
-        .to_dtype(DType::F32)?;
-    let v = candle_transformers::utils::repeat_kv(v_all.transpose(1, 2)?, group)?
+    let k = repeat_kv(&k_all.transpose(1, 2)?, group)?.to_dtype(DType::F32)?;
+    let v = repeat_kv(&v_all.transpose(1, 2)?, group)?
         .to_dtype(DType::F32)?
         .contiguous()?;
     let scores = (q.matmul(&k.t()?)? * f64::from(scale))?;
@@ -271,7 +281,7 @@ fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::KvCacheConfig;
+    use crate::nn::cache::KvCacheConfig;
     use candle_core::Device;
 
     fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {

@@ -1,5 +1,5 @@
 //! Launch helpers shared by the crate's CUDA ops: device pointers, per-kernel residency (cached),
-//! launches that overlap the previous kernel and NaN poisoning for tests.
+//! thread-block clusters, and launches that overlap the previous kernel.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -255,13 +255,4 @@ pub(crate) fn one_cta_per_sm_smem(dev: &CudaDevice) -> Result<Option<usize>> {
         .w()? as usize;
     let more_than_half = per_sm / 2 + 1;
     Ok((more_than_half <= max_smem_per_cta(dev)?).then_some(more_than_half))
-}
-
-/// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.
-pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
-    let stream = dev.cuda_stream();
-    let (ptr, _sync) = buf.device_ptr(&stream);
-    let bytes = buf.len() * std::mem::size_of::<T>();
-    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
-    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
 }

@@ -1,6 +1,5 @@
-//! Launches `kernels/matvec.cu` for one f16/bf16 row on candle's stream.
-
-use std::cell::Cell;
+//! Launches the fused matrix-vector kernel (`kernels/matvec.cuh`) for one f16/bf16 row on
+//! candle's stream.
 
 use candle_core::cuda::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
@@ -8,42 +7,20 @@ use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use super::{LinearInput, LinearOutput};
-use crate::cuda_launch::{device_ptr, launch_dependent, poison, resident_ctas};
+use crate::cuda::kernels::{KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue};
+use crate::cuda::launch::{device_ptr, launch_dependent, resident_ctas};
 
-const MATVEC_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/matvec.ptx"));
-
-/// `kMatVecThreads` in kernels/matvec.cu: eight warps, each taking row pairs.
-const THREADS: u32 = 256;
-const WARPS: usize = 8;
 /// The staged input lives in shared memory; past this the kernel would need an opt-in limit
 /// that not every GPU has, and such wide layers are rare, so they take the unfused path.
 const MAX_STAGED_BYTES: usize = 48 * 1024;
 
-/// Must match `MatVecParams` in kernels/matvec.cu.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct MatVecParams {
-    x: u64,
-    w: u64,
-    norm_weight: u64,
-    residual: u64,
-    y: u64,
-    n: i32,
-    k: i32,
-    prologue: i32,
-    epilogue: i32,
-    eps: f32,
-}
-
-// SAFETY: plain-old-data with the C layout the kernel expects.
-unsafe impl DeviceRepr for MatVecParams {}
-
+#[cfg(feature = "test-hooks")]
 thread_local! {
     /// When set, outputs are filled with NaN before the kernel runs, so that tests see any row
     /// the kernel fails to write. Per thread, like the counter, so parallel tests keep apart.
-    pub(super) static POISON_OUTPUTS: Cell<bool> = const { Cell::new(false) };
+    pub(super) static POISON_OUTPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fused launches from this thread, for tests that must know the kernel ran.
-    pub(super) static FUSED_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+    pub(super) static FUSED_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Runs the fused kernel when it applies (CUDA, f16/bf16, one row, 16-byte aligned rows, input
@@ -95,30 +72,33 @@ pub(super) fn try_fused(
     )))
 }
 
-/// The kernel variant and grid for an `n`-row weight. The deep variant (four loads per lane and
-/// row per tile, two CTAs per SM) streams best; the shallow one (two loads, three CTAs per SM)
-/// has more warps, and wins when its one round of row pairs would take the deep one two.
-fn pick_kernel(dev: &CudaDevice, dtype: DType, n: usize) -> Result<(CudaFunction, u32)> {
-    let load = |depth: &str| -> Result<(CudaFunction, usize)> {
-        let name = format!("matvec_{}_{depth}", dtype_tag(dtype));
-        let func = (*dev.get_or_load_custom_func(&name, "matvec", MATVEC_PTX)?).clone();
-        let ctas = resident_ctas(dev, &name, &func, THREADS, MAX_STAGED_BYTES)?.total();
-        Ok((func, ctas))
+/// The kernel form and grid for an `n`-row weight. The deep form (four loads per lane and row
+/// per tile, two CTAs per SM) streams best; the shallow one (two loads, three CTAs per SM) has
+/// more warps, and wins when its one round of row pairs would take the deep one two.
+fn pick_kernel(dev: &CudaDevice, dtype: DType, n: usize) -> Result<(&'static KernelSpec, CudaFunction, u32)> {
+    let load = |form: KernelForm| -> Result<(&'static KernelSpec, CudaFunction, usize)> {
+        let Some(spec) = form.find(dtype, 0, 0) else {
+            candle_core::bail!("fused linear: no {form:?} kernel for {dtype:?} in this build")
+        };
+        let func = spec.load(dev)?;
+        let ctas = resident_ctas(dev, spec.symbol, &func, spec.threads, MAX_STAGED_BYTES)?.total();
+        Ok((spec, func, ctas))
     };
     let pairs = n.div_ceil(2);
-    let (deep, deep_ctas) = load("u4")?;
-    let (func, ctas) = if pairs > deep_ctas * WARPS {
-        let (shallow, shallow_ctas) = load("u2")?;
-        if pairs <= shallow_ctas * WARPS {
-            (shallow, shallow_ctas)
+    let warps_per_cta = |spec: &KernelSpec| spec.threads as usize / 32;
+    let deep = load(KernelForm::MatVecDeep)?;
+    let (spec, func, ctas) = if pairs > deep.2 * warps_per_cta(deep.0) {
+        let shallow = load(KernelForm::MatVecShallow)?;
+        if pairs <= shallow.2 * warps_per_cta(shallow.0) {
+            shallow
         } else {
-            (deep, deep_ctas)
+            deep
         }
     } else {
-        (deep, deep_ctas)
+        deep
     };
-    let grid = pairs.div_ceil(WARPS).min(ctas).max(1);
-    Ok((func, grid as u32))
+    let grid = pairs.div_ceil(warps_per_cta(spec)).min(ctas).max(1);
+    Ok((spec, func, grid as u32))
 }
 
 /// Shared memory for the staged input (and the norm weight beside it).
@@ -152,21 +132,24 @@ fn launch<T: CudaDType + DeviceRepr>(
     k: usize,
 ) -> Result<CudaStorage> {
     let smem_bytes = staged_bytes(input, k, std::mem::size_of::<T>());
-    let (func, grid) = pick_kernel(dev, x.dtype(), n)?;
+    let (spec, func, grid) = pick_kernel(dev, x.dtype(), n)?;
     let (epilogue, residual, outputs) = match output {
-        LinearOutput::Plain => (0, 0, n),
-        LinearOutput::AddResidual(r) => (1, address::<T>(r, dev)?, n),
-        LinearOutput::SwiGlu => (2, 0, n / 2),
+        LinearOutput::Plain => (MatVecEpilogue::Plain, 0, n),
+        LinearOutput::AddResidual(r) => (MatVecEpilogue::Residual, address::<T>(r, dev)?, n),
+        LinearOutput::SwiGlu => (MatVecEpilogue::SwiGlu, 0, n / 2),
     };
 
     // SAFETY: every output is written by the kernel; tests poison it to check.
     let y = unsafe { dev.alloc::<T>(outputs)? };
+    #[cfg(feature = "test-hooks")]
     if POISON_OUTPUTS.get() {
-        poison(dev, &y)?;
+        crate::cuda::memory::poison(dev, &y)?;
     }
     let (prologue, norm_weight, eps) = match input {
-        LinearInput::Plain => (0, 0, 0.0),
-        LinearInput::RmsNorm { weight, eps } => (1, address::<T>(weight, dev)?, eps),
+        LinearInput::Plain => (MatVecPrologue::Plain, 0, 0.0),
+        LinearInput::RmsNorm { weight, eps } => {
+            (MatVecPrologue::RmsNorm, address::<T>(weight, dev)?, eps)
+        }
     };
     let params = MatVecParams {
         x: address::<T>(x, dev)?,
@@ -176,25 +159,19 @@ fn launch<T: CudaDType + DeviceRepr>(
         y: device_ptr(&y, dev, 0),
         n: n as i32,
         k: k as i32,
-        prologue,
-        epilogue,
+        prologue: prologue as i32,
+        epilogue: epilogue as i32,
         eps,
     };
     let cfg = LaunchConfig {
         grid_dim: (grid, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (spec.threads, 1, 1),
         shared_mem_bytes: smem_bytes as u32,
     };
-    // SAFETY: `matvec_*` takes one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
+    // SAFETY: the matvec kernels take one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
     // and n residuals, and writes the outputs allocated above.
     unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
+    #[cfg(feature = "test-hooks")]
     FUSED_LAUNCHES.set(FUSED_LAUNCHES.get() + 1);
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-}
-
-fn dtype_tag(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F16 => "f16",
-        _ => "bf16",
-    }
 }

@@ -15,7 +15,7 @@ use candle_core::cuda_backend::DeviceId;
 use candle_core::{CudaDevice, Result};
 use cudarc::driver::{sys, CudaSlice};
 
-use crate::cuda_launch::device_ptr;
+use super::launch::device_ptr;
 
 /// Counters per device: enough for every split plan the heuristic makes (it splits only while
 /// `batch * kv_heads` is below the SM count); larger forced plans use the combine pass.

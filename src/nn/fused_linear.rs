@@ -152,9 +152,9 @@ fn unfused(x: &Tensor, w: &Tensor, input: LinearInput, output: LinearOutput) -> 
     }
 }
 
-/// Test hook: fill fused-kernel outputs with NaN before each launch from this thread, so that a
-/// row the kernel fails to write cannot pass for a result.
-#[doc(hidden)]
+/// Test hook (feature `test-hooks`): fill fused-kernel outputs with NaN before each launch from
+/// this thread, so that a row the kernel fails to write cannot pass for a result.
+#[cfg(feature = "test-hooks")]
 pub fn poison_fused_outputs(on: bool) {
     #[cfg(feature = "cuda")]
     cuda::POISON_OUTPUTS.set(on);
@@ -162,8 +162,8 @@ pub fn poison_fused_outputs(on: bool) {
     let _ = on;
 }
 
-/// Test hook: how many times this thread has launched the fused kernel.
-#[doc(hidden)]
+/// Test hook (feature `test-hooks`): how many times this thread has launched the fused kernel.
+#[cfg(feature = "test-hooks")]
 pub fn fused_launch_count() -> u64 {
     #[cfg(feature = "cuda")]
     return cuda::FUSED_LAUNCHES.get();

@@ -1,8 +1,8 @@
 //! Query groups wider than a CUDA block holds: multi-query models such as Falcon-7B (71 query
 //! heads on one kv head) or gpt_bigcode (48).
 //!
-//! A block of the CUDA kernels holds up to [`MAX_GROUP`] query heads of one kv head, the M
-//! dimension of its tensor-core tiles. A wider group runs as `⌈group / MAX_GROUP⌉` blocks of
+//! A block of the CUDA kernels holds up to [`max_group`] query heads of one kv head, the M
+//! dimension of its tensor-core tiles. A wider group runs as `⌈group / max_group()⌉` blocks of
 //! query heads per kv head, which the kernels treat as kv heads of their own that read the same
 //! K and V, so one launch covers every group. Blocks hold equal numbers of query heads, so a group
 //! they do not divide is padded inside the kernels: the padding heads' queries read as zero and
@@ -11,16 +11,24 @@
 //! Since every block streams its kv head's K/V, a wide group does one pass of tensor-core work
 //! per block and byte: large calls plan for every resident CTA slot, and on sm_90 run the blocks
 //! of each kv head as one cluster in lock step, so that they share each tile through L2 (see
-//! `fills_every_slot` and `lockstep_cluster` in src/cuda.rs).
+//! `fills_every_slot` and `lockstep_cluster` in src/cuda/lockstep.rs).
 
-use crate::validate::DecodeDims;
+use super::kernels::KernelForm;
+use crate::op::validate::DecodeDims;
 
-/// Query heads one CUDA block holds at most: the largest compiled group bucket.
-pub(crate) const MAX_GROUP: usize = 16;
+/// Query heads one CUDA block holds at most: the widest group bound that both kernel families
+/// are compiled for.
+fn max_group() -> usize {
+    let cuda_cores = KernelForm::CudaCore.max_group();
+    match KernelForm::TensorCore.max_group() {
+        0 => cuda_cores,
+        tensor_cores => tensor_cores.min(cuda_cores),
+    }
+}
 
 /// Blocks that one kv head with `group` query heads runs as.
 fn blocks_per_kv_head(group: usize) -> usize {
-    group.div_ceil(MAX_GROUP).max(1)
+    group.div_ceil(max_group()).max(1)
 }
 
 /// Query heads of one kv head after padding: the smallest multiple of its blocks that holds the
@@ -45,10 +53,9 @@ pub(crate) struct QueryBlocks {
 }
 
 /// The kernels' view of a call: each kv head's group padded with zero query heads to equal
-/// blocks of at most [`MAX_GROUP`], block `j` of kv head `h` holding padded heads
+/// blocks of at most [`max_group`], block `j` of kv head `h` holding padded heads
 /// `h * padded_group + j * (padded_group / blocks) ..` in order. Groups within a block pass
 /// through as one block per kv head without padding.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the CUDA launch is its caller
 pub(crate) fn query_blocks(dims: DecodeDims) -> QueryBlocks {
     let real_group = dims.group_size();
     let blocks = blocks_per_kv_head(real_group);
@@ -97,7 +104,7 @@ mod tests {
             let padded = padded_group(group);
             assert_eq!(padded, want, "group {group}");
             let blocks = blocks_per_kv_head(group);
-            assert!(padded / blocks <= MAX_GROUP && padded - group < blocks);
+            assert!(padded / blocks <= max_group() && padded - group < blocks);
         }
     }
 
@@ -121,7 +128,7 @@ mod tests {
                 blocks.blocks_per_kv_head,
             );
             assert_eq!(got, want, "{q_heads}/{kv_heads}");
-            assert!(blocks.dims.group_size() <= MAX_GROUP);
+            assert!(blocks.dims.group_size() <= max_group());
             assert_eq!(blocks.real_group * kv_heads, q_heads);
             assert_eq!(blocks.padded_group * kv_heads, blocks.dims.q_heads);
         }

@@ -14,9 +14,11 @@
 // depend on nothing, before it waits for the previous kernel's output, so this kernel's weight
 // stream overlaps the tail of the kernel before.
 
+#pragma once
+
 #include "common.cuh"
 
-// Must match `MatVecParams` in src/fused_linear/cuda.rs.
+// The launch parameters; build.rs generates their Rust twin.
 struct MatVecParams {
     const void* x;            // k elements
     const void* w;            // (n, k), row-major, rows 16-byte aligned
@@ -25,14 +27,21 @@ struct MatVecParams {
     void* y;                  // n elements, or n / 2 for SwiGLU
     int n;
     int k;
-    int prologue;             // 0: plain, 1: RmsNorm
-    int epilogue;             // 0: plain, 1: residual, 2: SwiGLU
+    int prologue;             // MatVecPrologue
+    int epilogue;             // MatVecEpilogue
     float eps;
 };
 
-constexpr int kRmsNorm = 1;
-constexpr int kResidual = 1;
-constexpr int kSwiGlu = 2;
+enum MatVecPrologue : int {
+    kProloguePlain = 0,
+    kPrologueRmsNorm = 1,
+};
+
+enum MatVecEpilogue : int {
+    kEpiloguePlain = 0,
+    kEpilogueResidual = 1,
+    kEpilogueSwiGlu = 2,
+};
 
 constexpr int kMatVecWarps = 8;
 constexpr int kMatVecThreads = kMatVecWarps * 32;
@@ -94,7 +103,7 @@ template <typename T>
 __device__ void stage_input(const MatVecParams& p, uint4* x_s, uint4* g_s) {
     const int vecs = p.k / 8;
     const uint4* x = static_cast<const uint4*>(p.x);
-    if (p.prologue != kRmsNorm) {
+    if (p.prologue != kPrologueRmsNorm) {
         for (int i = threadIdx.x; i < vecs; i += kMatVecThreads) x_s[i] = x[i];
         return;
     }
@@ -212,7 +221,7 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
         acc0 = acc1 = 0.f;
         if (lane != 0) return;
         const int row0 = 2 * at.pair;
-        if (p.epilogue == kSwiGlu) {
+        if (p.epilogue == kEpilogueSwiGlu) {
             // Rounded where the unfused chain (product, silu, multiply) rounds.
             const float gate = round_to<T>(sum0);
             const float up = round_to<T>(sum1);
@@ -220,7 +229,7 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
             y[at.pair] = from_float<T>(silu * up);
             return;
         }
-        const bool add = p.epilogue == kResidual;
+        const bool add = p.epilogue == kEpilogueResidual;
         y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
         if (row0 + 1 < p.n)
             y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
@@ -236,17 +245,3 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
         }
     }
 }
-
-// Two depths: four 16-byte loads per lane and row per tile at two CTAs per SM, for long streams;
-// two loads at three CTAs (24 warps) per SM, for matrices whose row pairs fit one round of the
-// larger grid (Llama's 6144-row q/k/v), which the deeper variant would run in two.
-#define MATVEC_KERNEL(name, T, unroll, ctas_per_sm)                                          \
-    extern "C" __global__ void __launch_bounds__(kMatVecThreads, ctas_per_sm)                \
-        name(const MatVecParams p) {                                                          \
-        matvec<T, unroll>(p);                                                                \
-    }
-
-MATVEC_KERNEL(matvec_f16_u2, __half, 2, 3)
-MATVEC_KERNEL(matvec_f16_u4, __half, 4, 2)
-MATVEC_KERNEL(matvec_bf16_u2, __nv_bfloat16, 2, 3)
-MATVEC_KERNEL(matvec_bf16_u4, __nv_bfloat16, 4, 2)

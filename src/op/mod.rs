@@ -1,28 +1,26 @@
 //! `SplitKvAttention`: the decode op as a candle `CustomOp3` (q, k, v → out).
+//!
+//! The op validates its inputs, describes the call to a backend ([`call::DecodeCall`]) and hands
+//! the LSE back to a caller that asked for it. The CPU backend lives here; the CUDA one in
+//! `crate::cuda`.
+
+pub(crate) mod call;
+pub(crate) mod cpu;
+mod merge;
+pub mod plan;
+pub(crate) mod validate;
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
-use crate::cpu::{self, DecodeInputs, Element};
-use crate::plan::{self, SplitPlan};
-use crate::validate::{self, DecodeDims, RowStrides};
+use call::DecodeCall;
+pub use call::CudaKernel;
+use plan::SplitPlan;
 
 /// Where a call that asked for the LSE finds it once the op has run.
 type LseSlot = Arc<Mutex<Option<Tensor>>>;
-
-/// Which family of CUDA kernels runs the partial pass. The CPU path ignores it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CudaKernel {
-    /// Tensor cores for f16/bf16 on sm_80 and later, CUDA cores otherwise.
-    #[default]
-    Auto,
-    /// `mma.sync` tensor-core kernels: f16/bf16 only, built for sm_80 or later.
-    TensorCore,
-    /// Kernels doing the dot products on CUDA cores: every dtype and target.
-    CudaCore,
-}
 
 /// Split-KV attention for one decode step.
 ///
@@ -43,10 +41,8 @@ pub struct SplitKvAttention {
     /// The CUDA kernel family; results agree across families within the dtype's rounding.
     pub cuda_kernel: CudaKernel,
     lse_slot: Option<LseSlot>,
-    /// Test hook: fill the output and scratch with NaN before the kernels run, so that any
-    /// element they fail to write shows up.
-    #[doc(hidden)]
-    pub poison_scratch: bool,
+    #[cfg(feature = "test-hooks")]
+    poison_outputs: bool,
 }
 
 impl SplitKvAttention {
@@ -58,7 +54,8 @@ impl SplitKvAttention {
             seqlens_k: None,
             cuda_kernel: CudaKernel::Auto,
             lse_slot: None,
-            poison_scratch: false,
+            #[cfg(feature = "test-hooks")]
+            poison_outputs: false,
         }
     }
 
@@ -77,6 +74,14 @@ impl SplitKvAttention {
     /// Restricts each batch entry to its first `seqlens_k[b]` positions.
     pub fn with_seqlens(mut self, seqlens_k: Tensor) -> Self {
         self.seqlens_k = Some(seqlens_k);
+        self
+    }
+
+    /// Test hook (feature `test-hooks`): fill the output and the split scratch with NaN before
+    /// the kernels run, so that any element they fail to write shows up.
+    #[cfg(feature = "test-hooks")]
+    pub fn with_poisoned_outputs(mut self) -> Self {
+        self.poison_outputs = true;
         self
     }
 
@@ -114,10 +119,11 @@ impl SplitKvAttention {
     /// the forced count clamped to the sequence.
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let dims = validate::check_tensors(q, k, k)?;
+        let call = self.call(dims)?;
         match q.device() {
-            Device::Cpu => Ok(self.plan(&dims, cpu_parallel_slots(), plan::MIN_CHUNK)),
+            Device::Cpu => Ok(call.split_plan(cpu::parallel_slots(), plan::MIN_CHUNK)),
             #[cfg(feature = "cuda")]
-            Device::Cuda(dev) => crate::cuda::split_plan(self, dev, q.dtype(), &dims),
+            Device::Cuda(dev) => crate::cuda::split_plan(&call, dev, q.dtype()),
             other => bail!(
                 "split-kv attention: no split plan for device {:?}",
                 other.location()
@@ -125,88 +131,37 @@ impl SplitKvAttention {
         }
     }
 
-    /// The split plan for these sizes on hardware running `parallel_slots` units at once.
-    pub(crate) fn plan(
-        &self,
-        dims: &DecodeDims,
-        parallel_slots: usize,
-        min_chunk: usize,
-    ) -> SplitPlan {
-        match self.num_splits {
-            Some(n) => plan::forced(dims.kv_len, n),
-            None => plan::plan_with_min_chunk(
-                dims.batch,
-                dims.kv_heads,
-                dims.kv_len,
-                parallel_slots,
-                min_chunk,
-            ),
-        }
-    }
-
-    /// Whether a `forward_with_lse` call waits for the LSE.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn wants_lse(&self) -> bool {
-        self.lse_slot.is_some()
+    /// The call the backends see, for validated sizes.
+    fn call(&self, dims: validate::DecodeDims) -> Result<DecodeCall<'_>> {
+        validate::check_num_splits(self.num_splits)?;
+        Ok(DecodeCall {
+            dims,
+            softmax_scale: self.softmax_scale,
+            num_splits: self.num_splits,
+            seqlens_k: self.seqlens_k.as_ref(),
+            cuda_kernel: self.cuda_kernel,
+            want_lse: self.lse_slot.is_some(),
+            #[cfg(feature = "test-hooks")]
+            poison_outputs: self.poison_outputs,
+            #[cfg(not(feature = "test-hooks"))]
+            poison_outputs: false,
+        })
     }
 
     /// Hands the LSE to a waiting `forward_with_lse`, if any.
-    pub(crate) fn deliver_lse(&self, make: impl FnOnce() -> Result<Tensor>) -> Result<()> {
-        if let Some(slot) = &self.lse_slot {
-            let lse = make()?;
-            let mut slot = slot.lock().map_err(|_| {
-                candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into())
-            })?;
-            *slot = Some(lse);
-        }
+    fn deliver_lse(&self, lse: Option<Tensor>) -> Result<()> {
+        let Some(slot) = &self.lse_slot else {
+            return Ok(());
+        };
+        let Some(lse) = lse else {
+            bail!("split-kv attention: LSE requested but the backend produced none")
+        };
+        let mut slot = slot
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("split-kv attention: LSE slot poisoned".into()))?;
+        *slot = Some(lse);
         Ok(())
     }
-
-    fn cpu_seqlens(&self, dims: &DecodeDims) -> Result<Option<Vec<u32>>> {
-        let Some(seqlens) = &self.seqlens_k else {
-            return Ok(None);
-        };
-        let lens = seqlens.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
-        if lens.len() != dims.batch {
-            bail!(
-                "split-kv attention: seqlens_k must have shape ({},), got {:?}",
-                dims.batch,
-                seqlens.dims()
-            )
-        }
-        validate::check_seqlen_values(&lens, dims.kv_len)?;
-        Ok(Some(lens))
-    }
-
-    fn cpu_typed<T: Element>(
-        &self,
-        dims: DecodeDims,
-        (q, q_layout): (&[T], &Layout),
-        (k, k_layout): (&[T], &Layout),
-        (v, v_layout): (&[T], &Layout),
-    ) -> Result<Vec<T>> {
-        let seqlens = self.cpu_seqlens(&dims)?;
-        let slots = cpu_parallel_slots();
-        let inputs = DecodeInputs {
-            q,
-            q_strides: RowStrides::of(q_layout),
-            k,
-            k_strides: RowStrides::of(k_layout),
-            v,
-            v_strides: RowStrides::of(v_layout),
-            seqlens: seqlens.as_deref(),
-            dims,
-            softmax_scale: self.softmax_scale,
-        };
-        let (out, lse) = cpu::decode(&inputs, self.plan(&dims, slots, plan::MIN_CHUNK));
-        self.deliver_lse(|| Tensor::from_vec(lse, (dims.batch, dims.q_heads, 1), &Device::Cpu))?;
-        Ok(out)
-    }
-}
-
-/// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
-fn cpu_parallel_slots() -> usize {
-    4 * rayon::current_num_threads()
 }
 
 impl CustomOp3 for SplitKvAttention {
@@ -228,23 +183,13 @@ impl CustomOp3 for SplitKvAttention {
             (k.dtype(), k_layout),
             (v.dtype(), v_layout),
         )?;
-        validate::check_num_splits(self.num_splits)?;
-        let storage = match (q, k, v) {
-            (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => CpuStorage::F32(
-                self.cpu_typed(dims, (q, q_layout), (k, k_layout), (v, v_layout))?,
-            ),
-            (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => CpuStorage::F16(
-                self.cpu_typed(dims, (q, q_layout), (k, k_layout), (v, v_layout))?,
-            ),
-            (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => CpuStorage::BF16(
-                self.cpu_typed(dims, (q, q_layout), (k, k_layout), (v, v_layout))?,
-            ),
-            _ => bail!(
-                "split-kv attention: unsupported dtype {:?}; use f32, f16 or bf16",
-                q.dtype()
-            ),
-        };
-        Ok((storage, q_layout.shape().clone()))
+        let call = self.call(dims)?;
+        let (out, lse) = cpu::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
+        if self.lse_slot.is_some() {
+            let lse = Tensor::from_vec(lse, (dims.batch, dims.q_heads, 1), &Device::Cpu)?;
+            self.deliver_lse(Some(lse))?;
+        }
+        Ok((out, q_layout.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -257,7 +202,15 @@ impl CustomOp3 for SplitKvAttention {
         v: &candle_core::CudaStorage,
         v_layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::forward(self, (q, q_layout), (k, k_layout), (v, v_layout))
+        let dims = validate::check_layouts(
+            (q.dtype(), q_layout),
+            (k.dtype(), k_layout),
+            (v.dtype(), v_layout),
+        )?;
+        let call = self.call(dims)?;
+        let (out, lse) = crate::cuda::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
+        self.deliver_lse(lse)?;
+        Ok((out, q_layout.shape().clone()))
     }
 
     fn bwd(

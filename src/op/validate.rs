@@ -3,8 +3,7 @@
 
 use candle_core::{bail, DType, Layout, Result, Tensor};
 
-/// Head dimensions the kernels are built for.
-pub const SUPPORTED_HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
+include!(concat!(env!("OUT_DIR"), "/head_dims.rs"));
 
 /// Sizes of one decode call, after validation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,4 +1,0 @@
-// Partial-pass kernels for float inputs, one per (head dim, group bucket).
-#include "split_kv_decode.cuh"
-
-DECODE_DIMS(split_kv_decode_f32, float)

@@ -1,0 +1,105 @@
+//! The compiled kernels: the table that build.rs generates from `kernels/kernels.toml` (one entry
+//! per instance, with the threads and shared memory the kernels' headers define), looked up by
+//! form, dtype, head dim and group, and loaded on first use.
+
+use candle_core::{CudaDevice, DType, Result};
+use cudarc::driver::CudaFunction;
+
+include!(concat!(env!("OUT_DIR"), "/kernel_table.rs"));
+
+/// One compiled kernel: a form at one dtype, head dim and group bound.
+#[derive(Debug)]
+pub(crate) struct KernelSpec {
+    pub form: KernelForm,
+    pub dtype: DType,
+    /// 0 for forms that take any head dim.
+    pub head_dim: usize,
+    /// Query heads a CTA holds at most; 0 for forms without a group.
+    pub group: usize,
+    pub symbol: &'static str,
+    /// The PTX module holding the kernel, and its text.
+    pub module: &'static str,
+    pub ptx: &'static str,
+    pub threads: u32,
+    /// Dynamic shared memory the kernel needs (it traps on less).
+    pub smem_bytes: usize,
+    /// With the splits merging inside a thread-block cluster: `smem_bytes` and the receive area.
+    pub cluster_smem_bytes: usize,
+}
+
+impl KernelForm {
+    /// The instance of this form for `dtype` and `head_dim` whose group bound is the smallest
+    /// that holds `group` query heads (0 for forms without either); `None` where none is
+    /// compiled, as for the tensor-core forms in a build for a target before sm_80.
+    pub fn find(self, dtype: DType, head_dim: usize, group: usize) -> Option<&'static KernelSpec> {
+        KERNELS
+            .iter()
+            .filter(|k| k.form == self && k.dtype == dtype && k.head_dim == head_dim)
+            .filter(|k| k.group >= group)
+            .min_by_key(|k| k.group)
+    }
+
+    /// Whether this build has the form for `dtype`.
+    pub fn compiled_for(self, dtype: DType) -> bool {
+        KERNELS.iter().any(|k| k.form == self && k.dtype == dtype)
+    }
+
+    /// The widest group bound compiled for this form.
+    pub fn max_group(self) -> usize {
+        KERNELS
+            .iter()
+            .filter(|k| k.form == self)
+            .map(|k| k.group)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl KernelSpec {
+    /// The kernel in `dev`'s context; candle loads each module once per device.
+    pub fn load(&self, dev: &CudaDevice) -> Result<CudaFunction> {
+        Ok((*dev.get_or_load_custom_func(self.symbol, self.module, self.ptx)?).clone())
+    }
+
+    /// The same instance in another form: same dtype, head dim and group bound.
+    pub fn sibling(&self, form: KernelForm) -> Option<&'static KernelSpec> {
+        KERNELS.iter().find(|k| {
+            k.form == form
+                && k.dtype == self.dtype
+                && k.head_dim == self.head_dim
+                && k.group == self.group
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_decode_form_covers_every_head_dim() {
+        for &d in &crate::SUPPORTED_HEAD_DIMS {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let spec = KernelForm::CudaCore.find(dtype, d, 1);
+                assert!(spec.is_some_and(|s| s.group == 1 && s.smem_bytes > 0));
+            }
+        }
+    }
+
+    #[test]
+    fn groups_take_the_smallest_bound_that_holds_them() {
+        let bound = |g| KernelForm::CudaCore.find(DType::F16, 128, g).map(|s| s.group);
+        assert_eq!(bound(3), Some(4));
+        assert_eq!(bound(16), Some(16));
+        assert_eq!(bound(17), None);
+        assert_eq!(KernelForm::CudaCore.max_group(), 16);
+    }
+
+    #[test]
+    fn symbols_are_unique() {
+        let mut symbols: Vec<_> = KERNELS.iter().map(|k| k.symbol).collect();
+        symbols.sort();
+        symbols.dedup();
+        assert_eq!(symbols.len(), KERNELS.len());
+    }
+}

@@ -1,0 +1,40 @@
+//! Device memory: the pool policy for long-running processes, and NaN poisoning for the tests.
+
+use candle_core::cuda::WrapErr;
+use candle_core::{CudaDevice, Result};
+use cudarc::driver::{result, sys, CudaSlice, DevicePtr};
+
+/// Makes the pool `dev` allocates from keep freed memory for reuse (see
+/// [`crate::retain_freed_device_memory`]).
+pub(crate) fn retain_freed_memory(dev: &CudaDevice) -> Result<()> {
+    let context = dev.cuda_stream().context().clone();
+    if !context.has_async_alloc() {
+        // No pool: allocations go straight to the driver and nothing is churned.
+        return Ok(());
+    }
+    context.bind_to_thread().map_err(candle_core::Error::wrap)?;
+    let mut keep_all = u64::MAX;
+    // SAFETY: the device handle comes from a live context, the pool is that device's current
+    // one, and the release-threshold attribute takes a u64.
+    unsafe {
+        let pool =
+            result::device::get_mem_pool(context.cu_device()).map_err(candle_core::Error::wrap)?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep_all as *mut u64).cast(),
+        )
+        .map_err(candle_core::Error::wrap)?;
+    }
+    Ok(())
+}
+
+/// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
+    let stream = dev.cuda_stream();
+    let (ptr, _sync) = buf.device_ptr(&stream);
+    let bytes = buf.len() * std::mem::size_of::<T>();
+    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
+    unsafe { result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
+}

@@ -1,0 +1,17 @@
+//! The CUDA backend: the kernels that build.rs compiles from `kernels/`, looked up in the table it
+//! generates, planned for the device at hand and launched on candle's stream with no host
+//! synchronisation.
+//!
+//! The op hands this side a [`DecodeCall`](crate::op::call::DecodeCall) and gets tensors back;
+//! nothing here reads the op itself.
+
+mod decode;
+pub(crate) mod kernels;
+pub(crate) mod launch;
+mod lockstep;
+pub(crate) mod memory;
+mod planner;
+mod split_counters;
+mod wide_groups;
+
+pub(crate) use decode::{forward, split_plan};

@@ -1,0 +1,313 @@
+//! How a decode call runs on the device at hand: the kernel form, the split plan, and how the
+//! splits merge (in a thread-block cluster, in the last CTA of each group, or in the combine
+//! pass). Every choice here was measured; docs/perf-log.md holds the numbers.
+
+use candle_core::{bail, CudaDevice, DType, Result};
+use cudarc::driver::{CudaFunction, LaunchConfig};
+
+use super::kernels::{KernelForm, KernelSpec, SplitMerge, MAX_CLUSTER};
+use super::launch::{
+    compiled_compute_cap, max_smem_per_cta, one_cta_per_sm_smem, resident_clusters,
+    resident_ctas, ClusterDims,
+};
+use super::lockstep::{fills_every_slot, lockstep_cluster, lockstep_plan};
+use super::split_counters::{split_counters, SPLIT_COUNTERS};
+use super::wide_groups::QueryBlocks;
+use crate::op::call::{CudaKernel, DecodeCall};
+use crate::op::plan::{self, SplitPlan, MIN_CHUNK};
+use crate::op::validate::DecodeDims;
+
+/// Shortest chunk the CUDA plan cuts: below 2048 positions, 256-position chunks leave fewer than
+/// eight splits and each warp streams its tiles one latency after another, so 128 is allowed
+/// there; from 4096 on, 128-position chunks measured slower (more splits to merge).
+fn gpu_min_chunk(kv_len: usize) -> usize {
+    if kv_len < 8 * MIN_CHUNK {
+        128
+    } else {
+        MIN_CHUNK
+    }
+}
+
+/// A partial-pass kernel, loaded, with what the split plan needs to know of it.
+pub(crate) struct DecodeKernel {
+    pub spec: &'static KernelSpec,
+    pub func: CudaFunction,
+    /// CTAs the split plan aims for.
+    pub parallel_slots: usize,
+    /// CTAs the GPU holds at once.
+    pub resident: usize,
+}
+
+impl DecodeKernel {
+    fn load(dev: &CudaDevice, form: KernelForm, dtype: DType, dims: &DecodeDims) -> Result<Self> {
+        let group = dims.group_size();
+        let Some(spec) = form.find(dtype, dims.head_dim, group) else {
+            bail!(
+                "split-kv attention: no {form:?} kernel for {dtype:?}, head dim {} and {group} \
+                 query heads per block in this build (compute capability {})",
+                dims.head_dim,
+                compiled_compute_cap()
+            )
+        };
+        let func = spec.load(dev)?;
+        let residency = resident_ctas(dev, spec.symbol, &func, spec.threads, spec.smem_bytes)?;
+        // Tensor-core CTAs each stream enough bytes to keep an SM's share of HBM busy: one per
+        // SM measured faster than filling every resident slot, whose extra splits only add
+        // per-split fixed cost.
+        let parallel_slots = match spec.form {
+            KernelForm::CudaCore => residency.total(),
+            _ => residency.sms,
+        };
+        Ok(Self {
+            spec,
+            func,
+            parallel_slots,
+            resident: residency.total(),
+        })
+    }
+
+    pub fn is_tensor_core(&self) -> bool {
+        self.spec.form != KernelForm::CudaCore
+    }
+
+    pub fn is_persistent(&self) -> bool {
+        self.spec.form == KernelForm::TensorCorePersistent
+    }
+
+    /// This instance in another form, loaded, with its shared-memory limit raised on first use.
+    pub fn form(&self, dev: &CudaDevice, form: KernelForm) -> Result<(&'static KernelSpec, CudaFunction)> {
+        let Some(spec) = self.spec.sibling(form) else {
+            bail!(
+                "split-kv attention: no {form:?} form of {} in this build",
+                self.spec.symbol
+            )
+        };
+        let func = spec.load(dev)?;
+        resident_ctas(dev, spec.symbol, &func, spec.threads, spec.smem_bytes)?;
+        Ok((spec, func))
+    }
+}
+
+/// The kernel family that runs for `choice` and `dtype`.
+fn resolve_family(choice: CudaKernel, dtype: DType) -> Result<KernelForm> {
+    let tensor_cores = dtype != DType::F32 && KernelForm::TensorCore.compiled_for(dtype);
+    Ok(match choice {
+        CudaKernel::Auto if tensor_cores => KernelForm::TensorCore,
+        CudaKernel::Auto | CudaKernel::CudaCore => KernelForm::CudaCore,
+        CudaKernel::TensorCore if dtype == DType::F32 => {
+            bail!("split-kv attention: the tensor-core kernels take f16 or bf16, got f32")
+        }
+        CudaKernel::TensorCore if !tensor_cores => bail!(
+            "split-kv attention: the tensor-core kernels need a build for compute capability 80 \
+             or later, this one targets {}",
+            compiled_compute_cap()
+        ),
+        CudaKernel::TensorCore => KernelForm::TensorCore,
+    })
+}
+
+/// The partial kernel and split plan for these inputs.
+pub(crate) fn prepare(
+    call: &DecodeCall,
+    dev: &CudaDevice,
+    dtype: DType,
+    blocks: &QueryBlocks,
+) -> Result<(DecodeKernel, SplitPlan)> {
+    let dims = &blocks.dims;
+    let family = resolve_family(call.cuda_kernel, dtype)?;
+    let kernel = DecodeKernel::load(dev, family, dtype, dims)?;
+    let fill = fills_every_slot(&kernel, blocks);
+    let slots = if fill {
+        kernel.resident
+    } else {
+        kernel.parallel_slots
+    };
+    let plan = DecodeCall { dims: *dims, ..*call }.split_plan(slots, gpu_min_chunk(dims.kv_len));
+    let items = plan.num_splits * dims.batch * dims.kv_heads;
+    // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
+    // of persistent CTAs walks them instead, where the device has the shared memory for the
+    // persistent form's separate merge area.
+    if kernel.is_tensor_core() && items > kernel.resident {
+        if let Some(spec) = kernel.spec.sibling(KernelForm::TensorCorePersistent) {
+            if spec.smem_bytes <= max_smem_per_cta(dev)? {
+                let persistent = DecodeKernel::load(dev, spec.form, dtype, dims)?;
+                return Ok((persistent, plan));
+            }
+        }
+    }
+    if call.num_splits.is_none() {
+        if let Some(shorter) = cluster_plan(dev, &kernel, dims, plan)? {
+            return Ok((kernel, shorter));
+        }
+        if fill {
+            if let Some(fitted) = lockstep_plan(dev, &kernel, blocks, plan)? {
+                return Ok((kernel, fitted));
+            }
+        }
+    }
+    Ok((kernel, plan))
+}
+
+/// Chunks of at most this many K+V bytes are short enough that merging inside clusters on fewer
+/// SMs beats streaming on every SM followed by the combine pass.
+const CLUSTER_CHUNK_BYTES: usize = 192 * 1024;
+
+/// Where the heuristic's plan needs the combine pass because its clusters would not all be
+/// resident, a plan of at least half as many splits whose clusters are, provided its chunks stay
+/// within [`CLUSTER_CHUNK_BYTES`]: at short contexts the combine pass (a second grid and an L2
+/// round trip) costs more than the SMs given up.
+fn cluster_plan(
+    dev: &CudaDevice,
+    kernel: &DecodeKernel,
+    dims: &DecodeDims,
+    plan: SplitPlan,
+) -> Result<Option<SplitPlan>> {
+    let units = dims.batch * dims.kv_heads;
+    let config = |splits: usize| LaunchConfig {
+        grid_dim: (splits as u32, dims.kv_heads as u32, dims.batch as u32),
+        block_dim: (kernel.spec.threads, 1, 1),
+        shared_mem_bytes: kernel.spec.smem_bytes as u32,
+    };
+    let splits = plan.num_splits;
+    if !kernel.is_tensor_core()
+        || splits < 2
+        || merge_cluster(dev, kernel, units, splits, &config(splits))?.is_some()
+    {
+        return Ok(None);
+    }
+    for fewer in (splits.div_ceil(2)..splits).rev() {
+        let candidate = plan::aligned(dims.kv_len, fewer);
+        // K and V rows of 16-bit elements, the tensor-core kernels' inputs.
+        let chunk_bytes = 2 * candidate.chunk_size * dims.head_dim * 2;
+        if chunk_bytes > CLUSTER_CHUNK_BYTES {
+            break; // fewer splits only lengthen the chunks
+        }
+        let splits = candidate.num_splits;
+        if splits >= 2 && merge_cluster(dev, kernel, units, splits, &config(splits))?.is_some() {
+            return Ok(Some(candidate));
+        }
+    }
+    Ok(None)
+}
+
+/// The launch that merges the splits inside the partial pass, clusters of all the splits of one
+/// (batch, kv head), or `None` for another merge. Only for the one-item tensor-core kernels on
+/// sm_90, 2 to [`MAX_CLUSTER`] splits, and where every cluster is resident at once with one CTA
+/// per SM: left to itself the scheduler packs a cluster two CTAs to an SM, and half the SMs then
+/// stream a long context.
+fn merge_cluster(
+    dev: &CudaDevice,
+    kernel: &DecodeKernel,
+    units: usize,
+    splits: usize,
+    cfg: &LaunchConfig,
+) -> Result<Option<(ClusterDims, LaunchConfig)>> {
+    if kernel.spec.form != KernelForm::TensorCore || !(2..=MAX_CLUSTER).contains(&splits) {
+        return Ok(None);
+    }
+    let Some(smem) = one_cta_per_sm_smem(dev)? else {
+        return Ok(None);
+    };
+    if kernel.spec.cluster_smem_bytes > max_smem_per_cta(dev)? {
+        return Ok(None);
+    }
+    let cfg = LaunchConfig {
+        shared_mem_bytes: smem.max(kernel.spec.cluster_smem_bytes) as u32,
+        ..*cfg
+    };
+    let shape = ClusterDims {
+        x: splits as u32,
+        y: 1,
+    };
+    let resident = resident_clusters(dev, kernel.spec.symbol, &kernel.func, &cfg, shape)?;
+    Ok((resident >= units).then_some((shape, cfg)))
+}
+
+/// Most bytes of partial outputs and LSEs that the last CTA of a (batch, kv head) reads back to
+/// merge its splits; more go through the combine pass, which spreads the reads over a CTA per
+/// query head.
+const LAST_CTA_MERGE_BYTES: usize = 64 * 1024;
+
+/// Everything a launch of the partial pass needs beyond its buffers.
+pub(crate) struct Launch {
+    pub func: CudaFunction,
+    pub cfg: LaunchConfig,
+    pub cluster: Option<ClusterDims>,
+    pub merge: SplitMerge,
+    /// The device's split counters, for [`SplitMerge::ByLastCta`].
+    pub counters: Option<u64>,
+}
+
+/// How the partial pass of `kernel` over `plan` launches and merges its splits.
+pub(crate) fn launch(
+    dev: &CudaDevice,
+    kernel: &DecodeKernel,
+    blocks: &QueryBlocks,
+    plan: SplitPlan,
+) -> Result<Launch> {
+    let dims = &blocks.dims;
+    let items = plan.num_splits * dims.batch * dims.kv_heads;
+    let grid_dim = if kernel.is_persistent() {
+        let ctas = plan::persistent_ctas(items, kernel.resident);
+        (ctas as u32, 1, 1)
+    } else {
+        (
+            plan.num_splits as u32,
+            dims.kv_heads as u32,
+            dims.batch as u32,
+        )
+    };
+    let cfg = LaunchConfig {
+        grid_dim,
+        block_dim: (kernel.spec.threads, 1, 1),
+        shared_mem_bytes: kernel.spec.smem_bytes as u32,
+    };
+    let units = dims.batch * dims.kv_heads;
+    let (in_cluster, cfg) = match merge_cluster(dev, kernel, units, plan.num_splits, &cfg)? {
+        Some((shape, cluster_cfg)) => (Some(shape), cluster_cfg),
+        None => (None, cfg),
+    };
+    // The last CTA of each group merges where the group's partials are few enough for one SM to
+    // read quickly; the persistent and CUDA-core kernels, and plans beyond the counters, merge in
+    // the combine pass.
+    let group_partial_bytes = dims.group_size() * plan.num_splits * (dims.head_dim + 1) * 4;
+    let counters = if plan.num_splits > 1
+        && in_cluster.is_none()
+        && kernel.spec.form == KernelForm::TensorCore
+        && units <= SPLIT_COUNTERS
+        && group_partial_bytes <= LAST_CTA_MERGE_BYTES
+    {
+        split_counters(dev)?
+    } else {
+        None
+    };
+    let merge = match (in_cluster, counters) {
+        (Some(_), _) => SplitMerge::InCluster,
+        (None, Some(_)) => SplitMerge::ByLastCta,
+        (None, None) => SplitMerge::ByCombinePass,
+    };
+    let last_cta = merge == SplitMerge::ByLastCta;
+    let lockstep = match in_cluster {
+        None => lockstep_cluster(dev, kernel, blocks, last_cta, plan.num_splits)?,
+        Some(_) => None,
+    };
+    // The one place a form is chosen.
+    let form = match (kernel.spec.form, last_cta, lockstep.is_some()) {
+        (KernelForm::TensorCore, true, true) => KernelForm::TensorCoreLastCtaLockstep,
+        (KernelForm::TensorCore, true, false) => KernelForm::TensorCoreLastCta,
+        (KernelForm::TensorCore, false, true) => KernelForm::TensorCoreLockstep,
+        (form, _, _) => form,
+    };
+    let func = if form == kernel.spec.form {
+        kernel.func.clone()
+    } else {
+        kernel.form(dev, form)?.1
+    };
+    Ok(Launch {
+        func,
+        cfg,
+        cluster: in_cluster.or(lockstep),
+        merge,
+        counters,
+    })
+}

@@ -1,0 +1,56 @@
+//! One call of the op as the backends see it: the validated sizes and the settings that shape the
+//! launch, with nothing of the op itself, so that a backend never reaches back into it.
+
+use candle_core::Tensor;
+
+use super::plan::{self, SplitPlan};
+use super::validate::DecodeDims;
+
+/// Which family of CUDA kernels runs the partial pass. The CPU path ignores it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CudaKernel {
+    /// Tensor cores for f16/bf16 on sm_80 and later, CUDA cores otherwise.
+    #[default]
+    Auto,
+    /// `mma.sync` tensor-core kernels: f16/bf16 only, built for sm_80 or later.
+    TensorCore,
+    /// Kernels doing the dot products on CUDA cores: every dtype and target.
+    CudaCore,
+}
+
+/// A validated call of the op.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DecodeCall<'a> {
+    pub dims: DecodeDims,
+    pub softmax_scale: f32,
+    /// `None`: the heuristic decides; `Some(n)`: n splits, clamped to the sequence.
+    pub num_splits: Option<usize>,
+    /// u32 `(batch,)` lengths, checked for shape, dtype and device.
+    pub seqlens_k: Option<&'a Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub cuda_kernel: CudaKernel,
+    /// Whether the caller waits for the log-sum-exp.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub want_lse: bool,
+    /// Fill the output and the split scratch with NaN before the kernels run (test hook).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub poison_outputs: bool,
+}
+
+impl DecodeCall<'_> {
+    /// The split plan for hardware running `parallel_slots` units at once, with chunks of at
+    /// least `min_chunk` positions: the forced count clamped to the sequence, or the heuristic's.
+    pub fn split_plan(&self, parallel_slots: usize, min_chunk: usize) -> SplitPlan {
+        let dims = &self.dims;
+        match self.num_splits {
+            Some(n) => plan::forced(dims.kv_len, n),
+            None => plan::plan_with_min_chunk(
+                dims.batch,
+                dims.kv_heads,
+                dims.kv_len,
+                parallel_slots,
+                min_chunk,
+            ),
+        }
+    }
+}

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "merge_state.cuh"
 
 // Largest cluster the host asks for (the non-portable H100/H200 limit); the host reads it from
 // the generated kernel table.
@@ -134,29 +135,19 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
         if (column >= group * D) return;
         const int g = column / D, c = column - g * D;
         const float* columns = reinterpret_cast<const float*>(receive);
-        float lse[kMaxCluster], x[kMaxCluster];
+        float lse[kMaxCluster], ones[kMaxCluster], x[kMaxCluster];
 #pragma unroll
         for (int s = 0; s < kMaxCluster; ++s) {
             lse[s] = s < splits ? lses[s * GMAX + g] : -INFINITY;
             x[s] = s < splits ? columns[s * kThreads + threadIdx.x] : 0.f;
+            ones[s] = 1.f;
         }
-        float m = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < kMaxCluster; ++s) m = fmaxf(m, lse[s]);
-        float value = 0.f, sum = 0.f;
-        if (m != -INFINITY) {
-#pragma unroll
-            for (int s = 0; s < kMaxCluster; ++s) {
-                const float w = fast_exp2(lse[s] - m);  // 0 for an empty or absent split
-                value = fmaf(w, x[s], value);
-                sum += w;
-            }
-        }
+        MergeState<float> state;
+        state.fold(lse, ones, x);
         const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
         if (row < 0) return;  // a padding head
-        static_cast<T*>(p.out)[(long long)row * D + c] = from_float<T>(sum > 0.f ? value / sum : 0.f);
-        if (c == 0 && p.lse_out != nullptr)
-            p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
+        static_cast<T*>(p.out)[(long long)row * D + c] = from_float<T>(state.normalised());
+        if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = state.lse2() * kLn2;
         return;
     }
     const int slots = cluster_slots(group, QUADS, splits);
@@ -165,35 +156,19 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
         const int quad_index = slot * splits + rank;
         if (quad_index >= group * QUADS) break;
         const int g = quad_index / QUADS, c = (quad_index - g * QUADS) * 4;
-        float lse[kMaxCluster];
+        float lse[kMaxCluster], ones[kMaxCluster];
         float4 x[kMaxCluster];
 #pragma unroll
         for (int s = 0; s < kMaxCluster; ++s) {
             lse[s] = s < splits ? lses[s * GMAX + g] : -INFINITY;
             x[s] = s < splits ? slices[s * slots + slot] : make_float4(0.f, 0.f, 0.f, 0.f);
+            ones[s] = 1.f;
         }
-        float m = -INFINITY;
-#pragma unroll
-        for (int s = 0; s < kMaxCluster; ++s) m = fmaxf(m, lse[s]);
-        float4 value = {0.f, 0.f, 0.f, 0.f};
-        float sum = 0.f;
-        if (m != -INFINITY) {
-#pragma unroll
-            for (int s = 0; s < kMaxCluster; ++s) {
-                const float w = fast_exp2(lse[s] - m);  // 0 for an empty or absent split
-                value.x = fmaf(w, x[s].x, value.x);
-                value.y = fmaf(w, x[s].y, value.y);
-                value.z = fmaf(w, x[s].z, value.z);
-                value.w = fmaf(w, x[s].w, value.w);
-                sum += w;
-            }
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        MergeState<float4> state;
+        state.fold(lse, ones, x);
         const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
         if (row < 0) continue;  // a padding head
-        store4(static_cast<T*>(p.out) + (long long)row * D + c,
-               make_float4(value.x * inv, value.y * inv, value.z * inv, value.w * inv));
-        if (c == 0 && p.lse_out != nullptr)
-            p.lse_out[row] = sum > 0.f ? (m + __log2f(sum)) * kLn2 : -INFINITY;
+        store4(static_cast<T*>(p.out) + (long long)row * D + c, state.normalised());
+        if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = state.lse2() * kLn2;
     }
 }

@@ -4,36 +4,17 @@
 //
 // The pass is a chain of L2 round trips once the partial grid completes, so it is laid out to make
 // as few as possible: the CTA's threads tile (split lane × 4-column group), each thread loads the
-// partial rows and LSEs of up to kBatch splits at once, folds them with its own running max, and
-// the split lanes merge once through shared memory. Up to kBatch · (128 / (D / 4)) splits (32 at
-// D = 128) cost one round trip.
+// partial rows and LSEs of up to kBatch splits at once and folds them into its own state, and the
+// split lanes' states merge once through shared memory (kernels/merge_state.cuh). Up to
+// kBatch · (128 / (D / 4)) splits (32 at D = 128) cost one round trip.
 
 #pragma once
 
 #include "common.cuh"
+#include "merge_state.cuh"
 
 constexpr int kCombineThreads = 128;
 constexpr int kBatch = 8;             // splits in flight per thread
-
-// A running (max, sum, weighted row slice) of base-2 LSE-weighted partial outputs.
-struct Folded {
-    float max = -INFINITY;
-    float sum = 0.f;
-    float4 acc = {0.f, 0.f, 0.f, 0.f};
-
-    __device__ __forceinline__ void add(float lse, float4 x) {
-        const float new_max = fmaxf(max, lse);
-        if (new_max == -INFINITY) return;  // nothing with weight yet
-        const float rescale = fast_exp2(max - new_max);  // 0 when max was -inf
-        const float w = fast_exp2(lse - new_max);        // 0 when lse is -inf
-        sum = fmaf(sum, rescale, w);
-        acc.x = fmaf(acc.x, rescale, w * x.x);
-        acc.y = fmaf(acc.y, rescale, w * x.y);
-        acc.z = fmaf(acc.z, rescale, w * x.z);
-        acc.w = fmaf(acc.w, rescale, w * x.w);
-        max = new_max;
-    }
-};
 
 template <typename T>
 __device__ __forceinline__ void combine(const CombineParams& p) {
@@ -52,19 +33,19 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     const float* lse = p.partial_lse + (long long)partial_row * splits;
     const float4* partial = reinterpret_cast<const float4*>(p.partial_out + (long long)partial_row * splits * d);
 
-    Folded f;
+    MergeState<float4> f;
     if (lane < lanes) {
         for (int first = lane; first < splits; first += kBatch * lanes) {
-            float l[kBatch];
+            float l[kBatch], ones[kBatch];
             float4 x[kBatch];
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
                 const int s = first + i * lanes;
                 l[i] = s < splits ? lse[s] : -INFINITY;
                 x[i] = s < splits ? partial[(long long)s * groups + group] : make_float4(0.f, 0.f, 0.f, 0.f);
+                ones[i] = 1.f;
             }
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) f.add(l[i], x[i]);
+            f.fold(l, ones, x);
         }
     }
     acc_s[threadIdx.x] = f.acc;
@@ -73,22 +54,16 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     __syncthreads();
 
     // Every split lane saw the same splits for each column group, so lane j's max and sum can be
-    // read from any of its threads (column group 0).
-    float m = -INFINITY;
-    for (int j = 0; j < lanes; ++j) m = fmaxf(m, max_s[j * groups]);
-    float total = 0.f;
-    if (m != -INFINITY)
-        for (int j = 0; j < lanes; ++j) total += sum_s[j * groups] * fast_exp2(max_s[j * groups] - m);
-    const float inv_total = total > 0.f ? 1.f / total : 0.f;
+    // read from any of its threads (column group 0); the lanes' states merge column by column.
     T* out = static_cast<T*>(p.out) + (long long)row * d;
     const float* acc = reinterpret_cast<const float*>(acc_s);
+    MergeState<float> total;
     for (int c = threadIdx.x; c < d; c += kCombineThreads) {
-        float value = 0.f;
-        if (m != -INFINITY)
-            for (int j = 0; j < lanes; ++j)
-                value = fmaf(acc[(j * groups + c / 4) * 4 + c % 4], fast_exp2(max_s[j * groups] - m), value);
-        out[c] = from_float<T>(value * inv_total);
+        total = MergeState<float>{};
+        for (int j = 0; j < lanes; ++j)
+            total.fold(max_s[j * groups], sum_s[j * groups], acc[(j * groups + c / 4) * 4 + c % 4]);
+        out[c] = from_float<T>(total.normalised());
     }
-    if (threadIdx.x == 0 && p.lse_out != nullptr)
-        p.lse_out[row] = total > 0.f ? (m + __log2f(total)) * kLn2 : -INFINITY;
+    // Thread 0 merged column 0, and every column merges the same maxes and sums.
+    if (threadIdx.x == 0 && p.lse_out != nullptr) p.lse_out[row] = total.lse2() * kLn2;
 }

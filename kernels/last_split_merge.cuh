@@ -9,6 +9,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "merge_state.cuh"
 
 // Adds one to a device-wide counter with acquire-release ordering and returns the old value: a
 // lighter fence than `__threadfence()` (sequentially consistent) followed by a relaxed add.
@@ -51,12 +52,11 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
         // L2 reads (ld.global.cg): the partials were written by other SMs.
         const float* lse = p.partial_lse + row * splits;
         const float4* partial = reinterpret_cast<const float4*>(p.partial_out + row * splits * D);
-        // A running max, sum and weighted slice, folded a batch at a time: the batch's loads all
-        // in flight together, then one max and independent weights for the whole batch.
-        float max = -INFINITY, sum = 0.f;
-        float4 acc = {0.f, 0.f, 0.f, 0.f};
+        // Folded a batch at a time: the batch's loads all in flight together, then one max and
+        // independent weights for the whole batch.
+        MergeState<float4> state;
         for (int first = 0; first < splits; first += kLastMergeBatch) {
-            float l[kLastMergeBatch];
+            float l[kLastMergeBatch], ones[kLastMergeBatch];
             float4 x[kLastMergeBatch];
 #pragma unroll
             for (int j = 0; j < kLastMergeBatch; ++j) {
@@ -64,29 +64,11 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
                 l[j] = s < splits ? __ldcg(lse + s) : -INFINITY;
                 x[j] = s < splits ? __ldcg(partial + (long long)s * QUADS + quad)
                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+                ones[j] = 1.f;
             }
-            float new_max = max;
-#pragma unroll
-            for (int j = 0; j < kLastMergeBatch; ++j) new_max = fmaxf(new_max, l[j]);
-            if (new_max == -INFINITY) continue;  // nothing with weight yet
-            const float rescale = fast_exp2(max - new_max);  // 0 when max was -inf
-            sum *= rescale;
-            acc = make_float4(acc.x * rescale, acc.y * rescale, acc.z * rescale, acc.w * rescale);
-#pragma unroll
-            for (int j = 0; j < kLastMergeBatch; ++j) {
-                const float w = fast_exp2(l[j] - new_max);  // 0 for a split with lse = -inf
-                sum += w;
-                acc.x = fmaf(w, x[j].x, acc.x);
-                acc.y = fmaf(w, x[j].y, acc.y);
-                acc.z = fmaf(w, x[j].z, acc.z);
-                acc.w = fmaf(w, x[j].w, acc.w);
-            }
-            max = new_max;
+            state.fold(l, ones, x);
         }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        store4(static_cast<T*>(p.out) + (long long)out_row * D + quad * 4,
-               make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-        if (quad == 0 && p.lse_out != nullptr)
-            p.lse_out[out_row] = sum > 0.f ? (max + __log2f(sum)) * kLn2 : -INFINITY;
+        store4(static_cast<T*>(p.out) + (long long)out_row * D + quad * 4, state.normalised());
+        if (quad == 0 && p.lse_out != nullptr) p.lse_out[out_row] = state.lse2() * kLn2;
     }
 }

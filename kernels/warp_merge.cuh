@@ -7,6 +7,7 @@
 
 #include "cluster_merge.cuh"
 #include "common.cuh"
+#include "merge_state.cuh"
 
 // Floats per (warp, head) slot: the output row, then the max and the sum, padded so that slots
 // stay 16-byte aligned for the float4 reads of the merge and sit 8 banks apart, which keeps the
@@ -31,29 +32,19 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
     const bool single = p.num_splits == 1;
     for (int i = threadIdx.x; i < group * QUADS; i += kThreads) {
         const int g = i / QUADS, c = (i - g * QUADS) * 4;
-        float m = -INFINITY;
+        float m[kWarps], l[kWarps];
+        float4 x[kWarps];
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge[(w * GMAX + g) * SLOT + D]);
-        float4 value = {0.f, 0.f, 0.f, 0.f};
-        float lse2 = -INFINITY;
-        if (m != -INFINITY) {
-            float4 total = {0.f, 0.f, 0.f, 0.f};
-            float sum = 0.f;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) {
-                const float* slot = merge + (w * GMAX + g) * SLOT;
-                const float weight = fast_exp2(slot[D] - m);  // 0 for a warp that saw no rows
-                const float4 x = *reinterpret_cast<const float4*>(slot + c);
-                total.x = fmaf(weight, x.x, total.x);
-                total.y = fmaf(weight, x.y, total.y);
-                total.z = fmaf(weight, x.z, total.z);
-                total.w = fmaf(weight, x.w, total.w);
-                sum = fmaf(weight, slot[D + 1], sum);
-            }
-            const float inv = 1.f / sum;
-            value = make_float4(total.x * inv, total.y * inv, total.z * inv, total.w * inv);
-            lse2 = m + __log2f(sum);
+        for (int w = 0; w < kWarps; ++w) {
+            const float* slot = merge + (w * GMAX + g) * SLOT;
+            m[w] = slot[D];  // -inf for a warp that saw no rows
+            l[w] = slot[D + 1];
+            x[w] = *reinterpret_cast<const float4*>(slot + c);
         }
+        MergeState<float4> state;
+        state.fold(m, l, x);
+        const float4 value = state.normalised();
+        const float lse2 = state.lse2();
         const long long row_index = (long long)b * p.q_heads + kv_head * group + g;
         if (single) {
             const int row = real_row((int)row_index, p.padded_group, p.real_group);

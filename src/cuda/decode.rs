@@ -84,7 +84,11 @@ fn seqlens_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
     };
     // The tensor outlives the launch: the op holds it until the call returns, and the kernel is
     // ordered on the stream before any later write to it.
-    Ok(device_ptr(s.as_cuda_slice::<u32>()?, dev, layout.start_offset()))
+    Ok(device_ptr(
+        s.as_cuda_slice::<u32>()?,
+        dev,
+        layout.start_offset(),
+    ))
 }
 
 fn launch<T: CudaDType + DeviceRepr>(

@@ -88,7 +88,11 @@ mod tests {
 
     #[test]
     fn groups_take_the_smallest_bound_that_holds_them() {
-        let bound = |g| KernelForm::CudaCore.find(DType::F16, 128, g).map(|s| s.group);
+        let bound = |g| {
+            KernelForm::CudaCore
+                .find(DType::F16, 128, g)
+                .map(|s| s.group)
+        };
         assert_eq!(bound(3), Some(4));
         assert_eq!(bound(16), Some(16));
         assert_eq!(bound(17), None);

@@ -7,8 +7,8 @@ use cudarc::driver::{CudaFunction, LaunchConfig};
 
 use super::kernels::{KernelForm, KernelSpec, SplitMerge, MAX_CLUSTER};
 use super::launch::{
-    compiled_compute_cap, max_smem_per_cta, one_cta_per_sm_smem, resident_clusters,
-    resident_ctas, ClusterDims,
+    compiled_compute_cap, max_smem_per_cta, one_cta_per_sm_smem, resident_clusters, resident_ctas,
+    ClusterDims,
 };
 use super::lockstep::{fills_every_slot, lockstep_cluster, lockstep_plan};
 use super::split_counters::{split_counters, SPLIT_COUNTERS};
@@ -75,7 +75,11 @@ impl DecodeKernel {
     }
 
     /// This instance in another form, loaded, with its shared-memory limit raised on first use.
-    pub fn form(&self, dev: &CudaDevice, form: KernelForm) -> Result<(&'static KernelSpec, CudaFunction)> {
+    pub fn form(
+        &self,
+        dev: &CudaDevice,
+        form: KernelForm,
+    ) -> Result<(&'static KernelSpec, CudaFunction)> {
         let Some(spec) = self.spec.sibling(form) else {
             bail!(
                 "split-kv attention: no {form:?} form of {} in this build",
@@ -122,7 +126,11 @@ pub(crate) fn prepare(
     } else {
         kernel.parallel_slots
     };
-    let plan = DecodeCall { dims: *dims, ..*call }.split_plan(slots, gpu_min_chunk(dims.kv_len));
+    let plan = DecodeCall {
+        dims: *dims,
+        ..*call
+    }
+    .split_plan(slots, gpu_min_chunk(dims.kv_len));
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
     // of persistent CTAs walks them instead, where the device has the shared memory for the

@@ -108,15 +108,36 @@ pub(crate) fn forward(
     let lens = seqlens.as_deref();
     Ok(match (q, k, v) {
         (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            let (out, lse) = typed(
+                call,
+                lens,
+                (q, q_layout),
+                (k, k_layout),
+                (v, v_layout),
+                plan,
+            );
             (CpuStorage::F32(out), lse)
         }
         (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            let (out, lse) = typed(
+                call,
+                lens,
+                (q, q_layout),
+                (k, k_layout),
+                (v, v_layout),
+                plan,
+            );
             (CpuStorage::F16(out), lse)
         }
         (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-            let (out, lse) = typed(call, lens, (q, q_layout), (k, k_layout), (v, v_layout), plan);
+            let (out, lse) = typed(
+                call,
+                lens,
+                (q, q_layout),
+                (k, k_layout),
+                (v, v_layout),
+                plan,
+            );
             (CpuStorage::BF16(out), lse)
         }
         _ => bail!(
@@ -142,7 +163,10 @@ pub(crate) struct DecodeInputs<'a, T> {
 
 /// Runs the op. Returns the output `(b, 1, h_q, d)` contiguous in `T`, and the natural-log LSE
 /// `(b, h_q)` in f32.
-pub(crate) fn decode<T: Element>(inputs: &DecodeInputs<'_, T>, plan: SplitPlan) -> (Vec<T>, Vec<f32>) {
+pub(crate) fn decode<T: Element>(
+    inputs: &DecodeInputs<'_, T>,
+    plan: SplitPlan,
+) -> (Vec<T>, Vec<f32>) {
     let dims = inputs.dims;
     let group = dims.group_size();
     let d = dims.head_dim;

@@ -86,7 +86,12 @@ pub(crate) fn merge_normalised<'r>(
     axpy: impl Fn(f32, &[f32], &mut [f32]),
 ) -> f32 {
     let mut state = MergeState::new(out);
-    state.raise_max(parts.clone().map(|(lse, _)| lse).fold(f32::NEG_INFINITY, f32::max));
+    state.raise_max(
+        parts
+            .clone()
+            .map(|(lse, _)| lse)
+            .fold(f32::NEG_INFINITY, f32::max),
+    );
     let max = state.max();
     for (lse, row) in parts {
         if lse != f32::NEG_INFINITY {
@@ -119,7 +124,10 @@ mod tests {
         let part = |range: std::ops::Range<usize>| {
             let mut row = [0f32];
             let mut state = MergeState::new(&mut row);
-            let max = scores[range.clone()].iter().copied().fold(f32::MIN, f32::max);
+            let max = scores[range.clone()]
+                .iter()
+                .copied()
+                .fold(f32::MIN, f32::max);
             state.raise_max(max);
             for i in range {
                 state.add((scores[i] - max).exp2(), 1.0, &values[i..i + 1], axpy);
@@ -139,7 +147,10 @@ mod tests {
     #[test]
     fn empty_parts_weigh_nothing() {
         let mut out = [7f32, 7.0];
-        let parts = [(f32::NEG_INFINITY, &[1f32, 1.0][..]), (0.0, &[2f32, 3.0][..])];
+        let parts = [
+            (f32::NEG_INFINITY, &[1f32, 1.0][..]),
+            (0.0, &[2f32, 3.0][..]),
+        ];
         let lse = merge_normalised(parts.iter().copied(), &mut out, axpy);
         assert_eq!(out, [2.0, 3.0]);
         assert_eq!(lse, 0.0);

@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
-use call::DecodeCall;
 pub use call::CudaKernel;
+use call::DecodeCall;
 use plan::SplitPlan;
 
 /// Where a call that asked for the LSE finds it once the op has run.

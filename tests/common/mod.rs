@@ -21,9 +21,7 @@ pub fn gpu() -> Option<Device> {
 /// The op with its output and split scratch filled with NaN before the kernels run, so that an
 /// element they fail to write fails the comparison.
 pub fn poisoned(scale: f32) -> SplitKvAttention {
-    let mut op = SplitKvAttention::new(scale);
-    op.poison_scratch = true;
-    op
+    SplitKvAttention::new(scale).with_poisoned_outputs()
 }
 
 /// One decode problem's sizes.

@@ -75,7 +75,11 @@ pub(super) fn try_fused(
 /// The kernel form and grid for an `n`-row weight. The deep form (four loads per lane and row
 /// per tile, two CTAs per SM) streams best; the shallow one (two loads, three CTAs per SM) has
 /// more warps, and wins when its one round of row pairs would take the deep one two.
-fn pick_kernel(dev: &CudaDevice, dtype: DType, n: usize) -> Result<(&'static KernelSpec, CudaFunction, u32)> {
+fn pick_kernel(
+    dev: &CudaDevice,
+    dtype: DType,
+    n: usize,
+) -> Result<(&'static KernelSpec, CudaFunction, u32)> {
     let load = |form: KernelForm| -> Result<(&'static KernelSpec, CudaFunction, usize)> {
         let Some(spec) = form.find(dtype, 0, 0) else {
             candle_core::bail!("fused linear: no {form:?} kernel for {dtype:?} in this build")

@@ -3,9 +3,9 @@
 //! Candle allocates device memory stream-ordered, from the device's current memory pool. With the
 //! pool's default release threshold of zero, every synchronisation unmaps whatever the process has
 //! freed, and the next allocations map fresh pages. Large buffers placed by that churn (a
-//! benchmark allocating and freeing inputs point after point) were measured to stream up to 15%
-//! slower, varying from process to process: on an H200, 3.7–4.0 TB/s against 4.4–4.6 TB/s for
-//! reads of 512 MiB and more. A model that allocates its KV cache once was not affected.
+//! benchmark allocating and freeing inputs point after point) measured up to 15% slower to
+//! stream, varying from process to process (docs/perf-log.md, v3j). A model that allocates its KV
+//! cache once was not affected.
 
 use candle_core::{Device, Result};
 

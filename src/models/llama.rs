@@ -42,7 +42,7 @@ pub struct LoadOptions {
     pub weight_forms: WeightFormPolicy,
     /// KV cache dtype. `None`: the activation dtype. A narrower one (f16 under f32) halves the
     /// bytes a decode step reads; on the CPU, where the op is compute-bound at these sizes, f32
-    /// measured faster (SmolLM2-135M at 4K context: 31-34 ms/token vs 37-42 with f16).
+    /// measured faster (docs/perf-log.md, "CPU cache dtype").
     pub cache_dtype: Option<DType>,
     /// Positions allocated per layer cache up front; the cache doubles from there.
     pub initial_cache_capacity: usize,

@@ -4,8 +4,9 @@
 //! Why not candle's `QMatMul`: its CPU path synchronises its worker threads with spinning
 //! barriers, so each matmul waits for the slowest thread. When other processes share the cores
 //! (a laptop, a CI runner) a descheduled worker stalls every matmul for a scheduler slice;
-//! decode steps were measured 3-5× slower that way. Rayon's work stealing lets the threads that
-//! do run take over the rest. The dot products are candle's own SIMD `vec_dot` for Q8_0.
+//! decode steps measured several times slower that way (docs/perf-log.md, "CPU q8 rows").
+//! Rayon's work stealing lets the threads that do run take over the rest. The dot products are
+//! candle's own SIMD `vec_dot` for Q8_0.
 
 use candle_core::backend::BackendStorage;
 use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};

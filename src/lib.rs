@@ -38,6 +38,8 @@ mod op;
 pub mod plan;
 #[cfg(feature = "cuda")]
 mod split_counters;
+#[cfg(feature = "models")]
+pub mod summarize;
 mod validate;
 mod wide_groups;
 

@@ -31,6 +31,8 @@ mod device_memory;
 pub mod models;
 pub mod nn;
 mod op;
+#[cfg(feature = "models")]
+pub mod summarize;
 
 use candle_core::{Result, Tensor};
 

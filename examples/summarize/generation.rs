@@ -82,21 +82,12 @@ impl<'m> Generator<'m> {
         }
     }
 
-    pub fn tokenizer(&self) -> &Tokenizer {
+    pub fn tokenizer(&self) -> &'m Tokenizer {
         self.tokenizer
     }
 
     pub fn context_length(&self) -> usize {
         self.model.context_length()
-    }
-
-    /// Tokenizes a rendered chat prompt. The special-token markers in it are recognized as such.
-    pub fn encode_prompt(&self, prompt: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode(prompt, false)
-            .map_err(|e| anyhow!("cannot tokenize the prompt: {e}"))?;
-        Ok(encoding.get_ids().to_vec())
     }
 
     /// Generates the answer to `prompt`, at most `max_new_tokens` of it, from an empty cache.

@@ -8,8 +8,6 @@
 //! Exit codes: 0 on success, 2 for bad input (document, model or options), 1 for other failures.
 
 mod bad_input;
-mod chat_template;
-mod chunking;
 mod cli;
 mod default_model;
 mod document;
@@ -25,10 +23,10 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::Device;
 use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use candle_splitkv::summarize::ChatFormat;
 use clap::Parser;
 
 use bad_input::{bad_input, BadInput};
-use chat_template::ChatFormat;
 use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
 use map_reduce::Summarizer;

@@ -4,6 +4,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use candle_splitkv::summarize::WholeSentences;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::generation::GenerationObserver;
@@ -86,9 +87,7 @@ impl GenerationObserver for Progress {
 pub struct StreamToStdout<'p> {
     progress: &'p mut Progress,
     started: bool,
-    wrote_text: bool,
-    /// Text after the last sentence end, held back until the sentence completes.
-    pending: String,
+    sentences: WholeSentences,
 }
 
 impl<'p> StreamToStdout<'p> {
@@ -96,20 +95,15 @@ impl<'p> StreamToStdout<'p> {
         Self {
             progress,
             started: false,
-            wrote_text: false,
-            pending: String::new(),
+            sentences: WholeSentences::new(),
         }
     }
 
     /// Prints the held-back tail unless it is an unfinished sentence after whole ones, then ends
     /// the streamed text with a newline, if anything was printed.
     pub fn finish(&mut self) -> Result<()> {
-        let tail = std::mem::take(&mut self.pending);
-        let tail = tail.trim_end();
-        if !self.wrote_text || tail.ends_with(['.', '!', '?', '"', ')']) {
-            self.write(tail)?;
-        }
-        if self.wrote_text {
+        print_now(&self.sentences.finish())?;
+        if self.sentences.released_text() {
             let mut out = std::io::stdout().lock();
             writeln!(out)
                 .and_then(|()| out.flush())
@@ -119,23 +113,15 @@ impl<'p> StreamToStdout<'p> {
     }
 }
 
-impl StreamToStdout<'_> {
-    fn write(&mut self, text: &str) -> Result<()> {
-        // Answers often open with whitespace; skip it, as the returned text is trimmed too.
-        let text = if self.wrote_text {
-            text
-        } else {
-            text.trim_start()
-        };
-        if text.is_empty() {
-            return Ok(());
-        }
-        self.wrote_text = true;
-        let mut out = std::io::stdout().lock();
-        out.write_all(text.as_bytes())
-            .and_then(|()| out.flush())
-            .context("writing to stdout")
+/// Writes `text` to stdout and flushes it, so that the answer shows as the model writes it.
+fn print_now(text: &str) -> Result<()> {
+    if text.is_empty() {
+        return Ok(());
     }
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .context("writing to stdout")
 }
 
 impl GenerationObserver for StreamToStdout<'_> {
@@ -149,16 +135,6 @@ impl GenerationObserver for StreamToStdout<'_> {
             self.progress.clear();
             self.started = true;
         }
-        self.pending.push_str(text);
-        let bytes = self.pending.as_bytes();
-        let sentence_end = (1..bytes.len()).rev().find(|&i| {
-            matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace()
-        });
-        if let Some(end) = sentence_end {
-            let rest = self.pending.split_off(end);
-            let done = std::mem::replace(&mut self.pending, rest);
-            self.write(&done)?;
-        }
-        Ok(())
+        print_now(&self.sentences.push(text))
     }
 }

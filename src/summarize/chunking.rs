@@ -4,22 +4,27 @@
 //! A chunk ends at the last paragraph break that fits. A paragraph too long for one chunk is cut
 //! at a sentence end, a sentence too long at a space, and text without spaces anywhere.
 
-use anyhow::{anyhow, Result};
 use tokenizers::Tokenizer;
 
+use super::SummarizeError;
+
 /// The byte offset where each token of `text` starts, in order.
-pub fn token_starts(tokenizer: &Tokenizer, text: &str) -> Result<Vec<usize>> {
+pub(crate) fn token_starts(
+    tokenizer: &Tokenizer,
+    text: &str,
+) -> Result<Vec<usize>, SummarizeError> {
     let encoding = tokenizer
         .encode(text, false)
-        .map_err(|e| anyhow!("cannot tokenize the text: {e}"))?;
+        .map_err(SummarizeError::tokenizing("the text"))?;
     // Offsets should already be sorted; the running maximum makes sure, since the search below
-    // relies on it.
+    // relies on it. A tokenizer's offsets should also fall on character boundaries of the text;
+    // snapping them there keeps a faulty one from making the chunks' slicing fail.
     let mut last = 0;
     Ok(encoding
         .get_offsets()
         .iter()
         .map(|&(start, _)| {
-            last = last.max(start);
+            last = last.max(floor_char_boundary(text, start));
             last
         })
         .collect())
@@ -27,7 +32,11 @@ pub fn token_starts(tokenizer: &Tokenizer, text: &str) -> Result<Vec<usize>> {
 
 /// Splits `text` into trimmed, non-empty chunks of at most `budget` tokens each, where
 /// `token_starts` is the output of [`token_starts`] for `text`.
-pub fn split_into_chunks<'t>(text: &'t str, token_starts: &[usize], budget: usize) -> Vec<&'t str> {
+pub(crate) fn split_into_chunks<'t>(
+    text: &'t str,
+    token_starts: &[usize],
+    budget: usize,
+) -> Vec<&'t str> {
     let budget = budget.max(1);
     let mut chunks = Vec::new();
     let mut pos = 0;
@@ -37,7 +46,7 @@ pub fn split_into_chunks<'t>(text: &'t str, token_starts: &[usize], budget: usiz
             break;
         }
         let first = token_starts.partition_point(|&start| start < pos);
-        let Some(&limit) = token_starts.get(first + budget) else {
+        let Some(&limit) = token_starts.get(first.saturating_add(budget)) else {
             chunks.push(text[pos..].trim_end());
             break;
         };
@@ -98,19 +107,15 @@ fn last_sentence_end(span: &str) -> Option<usize> {
     })
 }
 
-/// `text` without a trailing unfinished sentence, as left by a generation that hit its token
-/// limit. Text with no complete sentence at all is kept whole.
-pub fn drop_unfinished_sentence(text: &str) -> &str {
-    let text = text.trim_end();
-    if text.ends_with(['.', '!', '?', '"', ')']) {
-        return text;
+/// The last character boundary of `text` at or before `pos`, or its length when `pos` is past it.
+fn floor_char_boundary(text: &str, pos: usize) -> usize {
+    if pos >= text.len() {
+        return text.len();
     }
-    // Unlike chunking, a line break is no sentence end here: models copy hard-wrapped lines.
-    let bytes = text.as_bytes();
-    let end = (1..bytes.len())
+    (0..=pos)
         .rev()
-        .find(|&i| matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace());
-    end.map_or(text, |end| text[..end].trim_end())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0)
 }
 
 fn next_char_boundary(text: &str, pos: usize) -> usize {
@@ -122,6 +127,7 @@ fn next_char_boundary(text: &str, pos: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summarize::test_tokenizer::word_tokenizer;
 
     /// A stand-in tokenizer: one token per run of non-whitespace.
     fn word_starts(text: &str) -> Vec<usize> {
@@ -149,23 +155,6 @@ mod tests {
         let squash = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
         assert_eq!(squash(&chunks.join(" ")), squash(text));
         chunks
-    }
-
-    #[test]
-    fn drops_an_unfinished_last_sentence() {
-        assert_eq!(drop_unfinished_sentence("One. Two is cut"), "One.");
-        assert_eq!(
-            drop_unfinished_sentence("One. Two!\nThree and"),
-            "One. Two!"
-        );
-        assert_eq!(
-            drop_unfinished_sentence("Done. Finished.  \n"),
-            "Done. Finished."
-        );
-        assert_eq!(
-            drop_unfinished_sentence("no sentence ends here"),
-            "no sentence ends here"
-        );
     }
 
     #[test]
@@ -231,5 +220,22 @@ mod tests {
                 "Epsilon zeta eta theta."
             ]
         );
+    }
+
+    #[test]
+    fn token_starts_are_byte_offsets() {
+        let text = "  héllo wörld\n\nagain";
+        let starts = token_starts(&word_tokenizer(), text).unwrap();
+        assert_eq!(starts, vec![2, 9, 17]);
+        assert_eq!(starts, word_starts(text));
+    }
+
+    #[test]
+    fn offsets_are_snapped_to_character_boundaries() {
+        let text = "aé";
+        assert_eq!(floor_char_boundary(text, 0), 0);
+        assert_eq!(floor_char_boundary(text, 2), 1);
+        assert_eq!(floor_char_boundary(text, 3), 3);
+        assert_eq!(floor_char_boundary(text, 10), 3);
     }
 }

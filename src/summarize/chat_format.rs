@@ -23,7 +23,7 @@ impl ChatFormat {
     }
 
     /// The prompt for a system and a user message, ending where the assistant's answer begins.
-    pub fn render(self, system: &str, user: &str) -> String {
+    pub(crate) fn render(self, system: &str, user: &str) -> String {
         match self {
             ChatFormat::ChatMl => format!(
                 "<|im_start|>system\n{system}<|im_end|>\n\

@@ -1,0 +1,70 @@
+//! What can go wrong while planning a summary or reducing its answers.
+
+use std::fmt;
+
+/// An error of [`MapReduce`](super::MapReduce).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SummarizeError {
+    /// The tokenizer failed on `what` ("the text" or "the prompt").
+    Tokenize {
+        /// What was being tokenized.
+        what: &'static str,
+        /// The tokenizer's message.
+        reason: String,
+    },
+    /// The limit of the final summary leaves no room in the context to merge two intermediate
+    /// summaries.
+    SummaryLimitTooLarge {
+        /// The limit asked for.
+        max_new_tokens: usize,
+        /// The model's context length.
+        context_length: usize,
+        /// A limit that leaves enough room.
+        largest: usize,
+    },
+    /// Summarizing the summaries again would not make them fewer, so merging would never end.
+    SummariesDoNotShrink,
+    /// Every answer of a round of intermediate summaries was empty.
+    AllSummariesEmpty,
+    /// The final answer was empty.
+    EmptySummary,
+}
+
+impl fmt::Display for SummarizeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SummarizeError::Tokenize { what, reason } => {
+                write!(f, "cannot tokenize {what}: {reason}")
+            }
+            SummarizeError::SummaryLimitTooLarge {
+                max_new_tokens,
+                context_length,
+                largest,
+            } => write!(
+                f,
+                "a summary limit of {max_new_tokens} tokens is too large for the model's context \
+                 of {context_length} tokens: summaries could not be merged; use at most {largest}"
+            ),
+            SummarizeError::SummariesDoNotShrink => f.write_str(
+                "the summaries of the parts do not get shorter when summarized again; use larger \
+                 chunks or a smaller summary limit",
+            ),
+            SummarizeError::AllSummariesEmpty => {
+                f.write_str("the model wrote an empty summary for every part of the document")
+            }
+            SummarizeError::EmptySummary => f.write_str("the model wrote an empty summary"),
+        }
+    }
+}
+
+impl std::error::Error for SummarizeError {}
+
+impl SummarizeError {
+    /// Wraps a tokenizer's error while it tokenized `what`.
+    pub(crate) fn tokenizing(what: &'static str) -> impl FnOnce(tokenizers::Error) -> Self {
+        move |e| SummarizeError::Tokenize {
+            what,
+            reason: e.to_string(),
+        }
+    }
+}

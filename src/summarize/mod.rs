@@ -1,0 +1,47 @@
+//! The building blocks of a long-document summarizer: checking that the input is text, cutting
+//! it into chunks that fit the model's context, prompting in the model's chat format, and merging
+//! the summaries of the chunks (map-reduce).
+//!
+//! [`MapReduce`] plans the generations and the caller runs them, on any model:
+//!
+//! ```no_run
+//! use candle_splitkv::summarize::{decode_text, ChatFormat, MapReduce, Round};
+//! # fn generate(prompt: &[u32], max_new_tokens: usize) -> String { unimplemented!() }
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
+//! let document = decode_text("notes.txt", bytes)?;
+//! let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 1024, 200)?;
+//! let mut round = plan.start(&document)?;
+//! let summary = loop {
+//!     round = match round {
+//!         Round::Parts { prompts, max_new_tokens } | Round::Merge { prompts, max_new_tokens, .. } => {
+//!             let answers: Vec<String> =
+//!                 prompts.iter().map(|p| generate(p, max_new_tokens)).collect();
+//!             plan.next_round(&answers)?
+//!         }
+//!         Round::Final { prompt, max_new_tokens } => {
+//!             break plan.finish(&generate(&prompt, max_new_tokens))?;
+//!         }
+//!     };
+//! };
+//! # Ok(()) }
+//! ```
+//!
+//! `examples/summarize` is a complete command-line summarizer built on them.
+
+mod budgets;
+mod chat_format;
+mod chunking;
+mod document;
+mod error;
+mod map_reduce;
+mod prompts;
+#[cfg(test)]
+mod test_tokenizer;
+mod whole_sentences;
+
+pub use chat_format::ChatFormat;
+pub use document::{decode_text, NotADocument};
+pub use error::SummarizeError;
+pub use map_reduce::{MapReduce, Round};
+pub use whole_sentences::WholeSentences;

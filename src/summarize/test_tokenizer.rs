@@ -1,0 +1,16 @@
+//! A tokenizer for the tests: one token per run of non-whitespace, every word unknown.
+
+use tokenizers::models::wordlevel::WordLevel;
+use tokenizers::pre_tokenizers::whitespace::WhitespaceSplit;
+use tokenizers::Tokenizer;
+
+pub(crate) fn word_tokenizer() -> Tokenizer {
+    let model = WordLevel::builder()
+        .vocab([("<unk>".to_string(), 0)].into_iter().collect())
+        .unk_token("<unk>".to_string())
+        .build()
+        .expect("a one-word vocabulary is valid");
+    let mut tokenizer = Tokenizer::new(model);
+    tokenizer.with_pre_tokenizer(Some(WhitespaceSplit));
+    tokenizer
+}

@@ -4,9 +4,9 @@
 use candle_core::{CudaDevice, Result};
 use cudarc::driver::LaunchConfig;
 
+use super::decode_kernel::DecodeKernel;
 use super::kernels::KernelForm;
 use super::launch::{compiled_compute_cap, resident_clusters, ClusterDims};
-use super::planner::DecodeKernel;
 use super::wide_groups::QueryBlocks;
 use crate::op::plan::{aligned, SplitPlan};
 

@@ -6,6 +6,7 @@
 //! nothing here reads the op itself.
 
 mod decode;
+mod decode_kernel;
 pub(crate) mod kernels;
 pub(crate) mod launch;
 mod lockstep;

@@ -5,7 +5,7 @@
 //! optimised gemm that wins once there are many rows. So on the CPU, for each stored type, one
 //! weight of that type is timed in each candidate form, at one row (decode) and at many rows
 //! (prefill), and the fastest form per regime is kept (candle's quantized matmul is handicapped
-//! for its behaviour on shared cores, see [`SPIN_BARRIER_PENALTY`]). Elsewhere (CUDA, Metal) weights stay as
+//! for its behaviour on shared cores, see `SPIN_BARRIER_PENALTY`). Elsewhere (CUDA, Metal) weights stay as
 //! stored: the device kernels handle every type.
 
 use std::fmt;

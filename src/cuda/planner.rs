@@ -5,10 +5,10 @@
 use candle_core::{bail, CudaDevice, DType, Result};
 use cudarc::driver::{CudaFunction, LaunchConfig};
 
-use super::kernels::{KernelForm, KernelSpec, SplitMerge, MAX_CLUSTER};
+use super::decode_kernel::DecodeKernel;
+use super::kernels::{KernelForm, SplitMerge, MAX_CLUSTER};
 use super::launch::{
-    compiled_compute_cap, max_smem_per_cta, one_cta_per_sm_smem, resident_clusters, resident_ctas,
-    ClusterDims,
+    compiled_compute_cap, max_smem_per_cta, one_cta_per_sm_smem, resident_clusters, ClusterDims,
 };
 use super::lockstep::{fills_every_slot, lockstep_cluster, lockstep_plan};
 use super::split_counters::{split_counters, SPLIT_COUNTERS};

@@ -19,6 +19,8 @@ use serde::Deserialize;
 
 const KERNEL_DIR: &str = "kernels";
 const SPEC: &str = "kernels/kernels.toml";
+/// The oldest target the kernels are written for.
+const MIN_COMPUTE_CAP: u32 = 80;
 
 #[derive(Deserialize)]
 struct Spec {
@@ -161,6 +163,12 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     let cap: u32 = compute_cap
         .parse()
         .map_err(|_| format!("CUDA_COMPUTE_CAP {compute_cap:?} is not a number"))?;
+    if cap < MIN_COMPUTE_CAP {
+        return Err(format!(
+            "the kernels need compute capability {MIN_COMPUTE_CAP} or later (asynchronous copies, \
+             and shared-memory rings sized for it), the target is {cap}; set CUDA_COMPUTE_CAP"
+        ));
+    }
 
     let instances = instances(spec, cap);
     let gen_dir = out_dir.join("kernels");

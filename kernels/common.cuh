@@ -146,17 +146,11 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
 // 16-byte global → shared copy that bypasses L1. With `valid` false nothing is read and the
 // destination is zero-filled, which is how ragged tails are masked without touching memory past
 // the sequence.
-// Before sm_80, which has no async copies, the copy is a plain load and store: it has landed
-// when it returns, and the commit and wait below do nothing.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    *static_cast<uint4*>(smem) = valid ? *static_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
-#else
     unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                  "r"(src_bytes));
-#endif
 }
 
 // A full 16-byte copy to a shared-space address (from `__cvta_generic_to_shared`).
@@ -180,16 +174,10 @@ __device__ __forceinline__ void cp_async16_to_hint(unsigned dst, const void* gme
                  "l"(gmem), "l"(policy));
 }
 
-__device__ __forceinline__ void cp_async_commit() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
 }
 
 // Programmatic dependent launch (sm_90): the partial kernel lets the combine kernel be scheduled

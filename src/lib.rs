@@ -34,45 +34,12 @@ mod op;
 #[cfg(feature = "models")]
 pub mod summarize;
 
-use candle_core::{Result, Tensor};
-
 pub use device_memory::retain_freed_device_memory;
 pub use nn::attention::{self, cached_attention, AttentionBackend, CachedAttention};
 pub use nn::cache::{self, KvCache, KvCacheConfig};
 pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, LinearOutput};
 pub use op::plan;
 pub use op::validate::SUPPORTED_HEAD_DIMS;
-pub use op::{CudaKernel, SplitKvAttention};
-
-/// Decode attention of one query token per sequence over the whole of k and v.
-pub fn flash_decode(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<Tensor> {
-    SplitKvAttention::new(softmax_scale).forward(q, k, v)
-}
-
-/// Like [`flash_decode`], also returning the log-sum-exp of the scaled scores: f32
-/// `(batch, q_heads, 1)`, natural log.
-pub fn flash_decode_with_lse(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    softmax_scale: f32,
-) -> Result<(Tensor, Tensor)> {
-    SplitKvAttention::new(softmax_scale).forward_with_lse(q, k, v)
-}
-
-/// Decode attention where batch entry `b` attends to its first `seqlens_k[b]` positions only.
-///
-/// `seqlens_k` is u32 `(batch,)` on q's device, each value at most `kv_len`. A length of 0 gives a
-/// zero output. Values above `kv_len` are an error on the CPU; on CUDA, where checking would need
-/// a host synchronisation, they are clamped to `kv_len`.
-pub fn flash_decode_varlen(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    seqlens_k: &Tensor,
-    softmax_scale: f32,
-) -> Result<Tensor> {
-    SplitKvAttention::new(softmax_scale)
-        .with_seqlens(seqlens_k.clone())
-        .forward(q, k, v)
-}
+pub use op::{
+    flash_decode, flash_decode_varlen, flash_decode_with_lse, CudaKernel, SplitKvAttention,
+};

@@ -123,7 +123,7 @@ impl CachedAttention {
             let (k_all, v_all) = cache.append(k, v)?;
             let lens = cache.seq_lens_tensor()?;
             let q_cache = q.to_dtype(k_all.dtype())?;
-            return crate::flash_decode_varlen(
+            return crate::op::flash_decode_varlen(
                 &q_cache,
                 &k_all,
                 &v_all,
@@ -145,7 +145,8 @@ impl CachedAttention {
     }
 
     fn uses_split_kv(&self, head_dim: usize) -> bool {
-        self.backend == AttentionBackend::SplitKv && crate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
+        self.backend == AttentionBackend::SplitKv
+            && crate::op::validate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
     }
 
     /// q `(b, t, h_q, d)` over all of `k_all`/`v_all` `(b, past + t, h_kv, d)`, causally.
@@ -155,7 +156,8 @@ impl CachedAttention {
             AttentionBackend::SplitKv if t == 1 && self.uses_split_kv(head_dim) => {
                 // The op takes q in the cache's dtype; it accumulates in f32 whatever the dtype.
                 let q_cache = q.to_dtype(k_all.dtype())?;
-                crate::flash_decode(&q_cache, k_all, v_all, self.softmax_scale)?.to_dtype(q.dtype())
+                crate::op::flash_decode(&q_cache, k_all, v_all, self.softmax_scale)?
+                    .to_dtype(q.dtype())
             }
             AttentionBackend::SplitKv => blocked_causal(
                 q,

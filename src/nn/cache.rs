@@ -461,8 +461,8 @@ mod tests {
         let kv = Tensor::randn(0f32, 1.0, (1, 10, 2, 64), &Device::Cpu)?;
         let (k, v) = cache.append(&kv, &kv)?;
         let q = Tensor::randn(0f32, 1.0, (1, 1, 4, 64), &Device::Cpu)?;
-        let from_views = crate::flash_decode(&q, &k, &v, 0.125)?;
-        let from_copy = crate::flash_decode(&q, &kv, &kv, 0.125)?;
+        let from_views = crate::op::flash_decode(&q, &k, &v, 0.125)?;
+        let from_copy = crate::op::flash_decode(&q, &kv, &kv, 0.125)?;
         let diff = (from_views - from_copy)?
             .abs()?
             .flatten_all()?

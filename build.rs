@@ -1,6 +1,6 @@
 //! Reads `kernels/kernels.toml`, the one declaration of every kernel form, and generates:
 //!
-//! - always, `head_dims.rs`: the head dims the op accepts;
+//! - always, `limits.rs`: the head dims and query tokens per sequence the op accepts;
 //! - with the `cuda` feature, the kernel instances (one `.cu` per module and dtype), their PTX
 //!   (nvcc), and `kernel_table.rs`: the form enum, the table of instances with the threads and
 //!   shared memory the compiler evaluated from the kernels' headers, and the Rust twins of the
@@ -25,6 +25,7 @@ const MIN_COMPUTE_CAP: u32 = 80;
 #[derive(Deserialize)]
 struct Spec {
     head_dims: Vec<usize>,
+    max_query_tokens: usize,
     form: Vec<Form>,
     #[serde(default)]
     params: Vec<Named>,
@@ -88,23 +89,27 @@ fn run() -> Result<(), String> {
     let text = fs::read_to_string(SPEC).map_err(|e| format!("reading {SPEC}: {e}"))?;
     let spec: Spec = toml::from_str(&text).map_err(|e| format!("{SPEC}: {e}"))?;
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
-    write_head_dims(&spec, &out_dir)?;
+    write_limits(&spec, &out_dir)?;
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return Ok(());
     }
     build_kernels(&spec, &out_dir)
 }
 
-fn write_head_dims(spec: &Spec, out_dir: &Path) -> Result<(), String> {
+/// The limits every backend enforces: the head dims and the query tokens per sequence.
+fn write_limits(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     let dims = &spec.head_dims;
     let list = dims.iter().map(usize::to_string).collect::<Vec<_>>();
     let code = format!(
         "/// Head dimensions the kernels are built for (`kernels/kernels.toml`).\n\
-         pub const SUPPORTED_HEAD_DIMS: [usize; {}] = [{}];\n",
+         pub const SUPPORTED_HEAD_DIMS: [usize; {}] = [{}];\n\
+         /// Most query tokens per sequence in one call (`kernels/kernels.toml`).\n\
+         pub const MAX_QUERY_TOKENS: usize = {};\n",
         dims.len(),
-        list.join(", ")
+        list.join(", "),
+        spec.max_query_tokens
     );
-    write(&out_dir.join("head_dims.rs"), &code)
+    write(&out_dir.join("limits.rs"), &code)
 }
 
 /// One compiled kernel: a form at one dtype, head dim and group bound.

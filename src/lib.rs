@@ -6,11 +6,12 @@
 //! on the CPU a multi-threaded implementation of the same algorithm.
 //!
 //! Tensors follow candle's flash-attention convention:
-//! - q: `(batch, 1, q_heads, head_dim)`
+//! - q: `(batch, t, q_heads, head_dim)`: t = 1 for plain decoding, up to [`MAX_QUERY_TOKENS`]
+//!   to verify drafted tokens in one pass (the last t positions, causal; the CPU only for now)
 //! - k, v: `(batch, kv_len, kv_heads, head_dim)`, only the last dim contiguous, so a narrowed,
 //!   transposed view of a head-major `(batch, kv_heads, capacity, head_dim)` cache goes in
 //!   without a copy.
-//! - output: the shape and dtype of q; LSE: f32 `(batch, q_heads, 1)`, natural log.
+//! - output: the shape and dtype of q; LSE: f32 `(batch, q_heads, t)`, natural log.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, DType};
@@ -39,7 +40,7 @@ pub use nn::attention::{self, cached_attention, AttentionBackend, CachedAttentio
 pub use nn::cache::{self, KvCache, KvCacheConfig};
 pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, LinearOutput};
 pub use op::plan;
-pub use op::validate::SUPPORTED_HEAD_DIMS;
+pub use op::validate::{MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 pub use op::{
     flash_decode, flash_decode_varlen, flash_decode_with_lse, CudaKernel, SplitKvAttention,
 };

@@ -104,6 +104,13 @@ fn launch<T: CudaDType + DeviceRepr>(
         RowStrides::of(k_layout),
         RowStrides::of(v_layout),
     );
+    if call.dims.q_len > 1 {
+        bail!(
+            "split-kv attention: q has q_len = {} query tokens per sequence; on CUDA this \
+             version takes one (several run on the CPU)",
+            call.dims.q_len
+        )
+    }
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;

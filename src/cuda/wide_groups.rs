@@ -83,6 +83,7 @@ mod tests {
             kv_heads,
             head_dim: 128,
             kv_len: 1000,
+            q_len: 1,
         }
     }
 

@@ -68,7 +68,7 @@ pub(crate) fn parallel_slots() -> usize {
 }
 
 /// Runs a validated call on CPU storage: the output in q's dtype, and the natural-log LSE
-/// `(b, h_q)`.
+/// `(b, h_q, q_len)`.
 pub(crate) fn forward(
     call: &DecodeCall,
     (q, q_layout): (&CpuStorage, &Layout),
@@ -161,8 +161,8 @@ pub(crate) struct DecodeInputs<'a, T> {
     pub softmax_scale: f32,
 }
 
-/// Runs the op. Returns the output `(b, 1, h_q, d)` contiguous in `T`, and the natural-log LSE
-/// `(b, h_q)` in f32.
+/// Runs the op. Returns the output `(b, q_len, h_q, d)` contiguous in `T`, and the natural-log
+/// LSE `(b, h_q, q_len)` in f32.
 pub(crate) fn decode<T: Element>(
     inputs: &DecodeInputs<'_, T>,
     plan: SplitPlan,
@@ -170,13 +170,15 @@ pub(crate) fn decode<T: Element>(
     let dims = inputs.dims;
     let group = dims.group_size();
     let d = dims.head_dim;
+    let q_len = dims.q_len;
+    let rows = q_len * group; // query rows of one (batch, kv head)
     let tasks = dims.batch * dims.kv_heads * plan.num_splits;
 
-    let mut partial_out = vec![0f32; tasks * group * d];
-    let mut partial_lse = vec![0f32; tasks * group];
+    let mut partial_out = vec![0f32; tasks * rows * d];
+    let mut partial_lse = vec![0f32; tasks * rows];
     partial_out
-        .par_chunks_mut(group * d)
-        .zip(partial_lse.par_chunks_mut(group))
+        .par_chunks_mut(rows * d)
+        .zip(partial_lse.par_chunks_mut(rows))
         .enumerate()
         .for_each(|(task, (out, lse))| {
             let split = task % plan.num_splits;
@@ -185,21 +187,32 @@ pub(crate) fn decode<T: Element>(
             attend_chunk_best(inputs, plan, batch, kv_head, split, out, lse);
         });
 
-    let mut out = vec![0f32; dims.batch * dims.q_heads * d];
-    let mut lse = vec![0f32; dims.batch * dims.q_heads];
+    // Output rows in (batch, token, q head) order.
+    let mut out = vec![0f32; dims.batch * q_len * dims.q_heads * d];
+    let mut row_lse = vec![0f32; dims.batch * q_len * dims.q_heads];
     out.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
+        .zip(row_lse.par_iter_mut())
         .enumerate()
         .for_each(|(row, (out, lse))| {
-            let (batch, q_head) = (row / dims.q_heads, row % dims.q_heads);
+            let q_head = row % dims.q_heads;
+            let token = (row / dims.q_heads) % q_len;
+            let batch = row / (dims.q_heads * q_len);
             let (kv_head, member) = (q_head / group, q_head % group);
             let first_task = (batch * dims.kv_heads + kv_head) * plan.num_splits;
             let splits = (0..plan.num_splits).map(|s| {
-                let part = (first_task + s) * group + member;
+                let part = (first_task + s) * rows + token * group + member;
                 (partial_lse[part], &partial_out[part * d..(part + 1) * d])
             });
             *lse = merge_normalised(splits, out, Portable::axpy) * std::f32::consts::LN_2;
         });
+    // The LSE in (batch, q head, token) order.
+    let mut lse = vec![0f32; row_lse.len()];
+    for (row, &x) in row_lse.iter().enumerate() {
+        let q_head = row % dims.q_heads;
+        let token = (row / dims.q_heads) % q_len;
+        let batch = row / (dims.q_heads * q_len);
+        lse[(batch * dims.q_heads + q_head) * q_len + token] = x;
+    }
 
     let mut out_t = vec![T::ZERO; out.len()];
     T::from_f32_slice(&out, &mut out_t);
@@ -242,8 +255,9 @@ unsafe fn attend_chunk_avx2<T: Element>(
     attend_chunk::<T, Fused>(inputs, plan, batch, kv_head, split, out, lse)
 }
 
-/// The partial pass of one `(batch, kv head, split)`: writes the group's normalised outputs
-/// (`group × d`) and base-2 LSEs.
+/// The partial pass of one `(batch, kv head, split)`: writes the normalised outputs (`rows × d`)
+/// and base-2 LSEs of its query rows, `q_len × group` of them, row `i · group + m` being query
+/// token `i` of the group's head `m`.
 #[inline(always)]
 fn attend_chunk<T: Element, S: InnerLoops>(
     inputs: &DecodeInputs<'_, T>,
@@ -257,6 +271,7 @@ fn attend_chunk<T: Element, S: InnerLoops>(
     let dims = inputs.dims;
     let d = dims.head_dim;
     let group = dims.group_size();
+    let rows = dims.q_len * group;
     let seq_len = inputs
         .seqlens
         .map_or(dims.kv_len, |lens| lens[batch] as usize);
@@ -267,13 +282,16 @@ fn attend_chunk<T: Element, S: InnerLoops>(
         lse.fill(f32::NEG_INFINITY);
         return;
     }
+    // Query token i is position seq_len − q_len + i and sees the keys before and at it.
+    let visible = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
 
     // Queries pre-multiplied by scale·log2(e), so scores are already in base 2.
-    let mut queries = vec![0f32; group * d];
+    let mut queries = vec![0f32; rows * d];
     let mut row_buf = vec![0f32; d];
     let q_scale = inputs.softmax_scale * std::f32::consts::LOG2_E;
-    for (member, query) in queries.chunks_exact_mut(d).enumerate() {
-        let at = inputs.q_strides.row(batch, 0, kv_head * group + member);
+    for (row, query) in queries.chunks_exact_mut(d).enumerate() {
+        let (token, member) = (row / group, row % group);
+        let at = inputs.q_strides.row(batch, token, kv_head * group + member);
         let q = T::row_f32(&inputs.q[at..at + d], &mut row_buf);
         for (dst, &x) in query.iter_mut().zip(q) {
             *dst = x * q_scale;
@@ -281,30 +299,40 @@ fn attend_chunk<T: Element, S: InnerLoops>(
     }
 
     let mut states: Vec<MergeState> = out.chunks_exact_mut(d).map(MergeState::new).collect();
-    let mut probs = vec![0f32; group * TILE];
+    let mut probs = vec![0f32; rows * TILE];
     for tile_start in (start..end).step_by(TILE) {
         let tile_len = TILE.min(end - tile_start);
         for t in 0..tile_len {
-            let at = inputs.k_strides.row(batch, tile_start + t, kv_head);
+            let pos = tile_start + t;
+            let at = inputs.k_strides.row(batch, pos, kv_head);
             let key = T::row_f32(&inputs.k[at..at + d], &mut row_buf);
-            for (member, query) in queries.chunks_exact(d).enumerate() {
-                probs[member * TILE + t] = S::dot(query, key);
+            for (row, query) in queries.chunks_exact(d).enumerate() {
+                probs[row * TILE + t] = if pos < visible(row) {
+                    S::dot(query, key)
+                } else {
+                    f32::NEG_INFINITY
+                };
             }
         }
-        for (member, state) in states.iter_mut().enumerate() {
-            let scores = &mut probs[member * TILE..member * TILE + tile_len];
+        for (row, state) in states.iter_mut().enumerate() {
+            let scores = &mut probs[row * TILE..row * TILE + tile_len];
             state.raise_max(scores.iter().copied().fold(f32::NEG_INFINITY, f32::max));
             let max = state.max();
             for s in scores.iter_mut() {
-                *s = S::exp2_nonpositive(*s - max);
+                // A masked key weighs exactly nothing (the polynomial exp2 stops at 2^-126).
+                *s = if *s == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    S::exp2_nonpositive(*s - max)
+                };
             }
             state.add_weight(scores.iter().sum());
         }
         for t in 0..tile_len {
             let at = inputs.v_strides.row(batch, tile_start + t, kv_head);
             let value = T::row_f32(&inputs.v[at..at + d], &mut row_buf);
-            for (member, state) in states.iter_mut().enumerate() {
-                S::axpy(probs[member * TILE + t], value, state.acc_mut());
+            for (row, state) in states.iter_mut().enumerate() {
+                S::axpy(probs[row * TILE + t], value, state.acc_mut());
             }
         }
     }
@@ -443,6 +471,7 @@ mod tests {
             kv_heads: 1,
             head_dim: d,
             kv_len: len,
+            q_len: 1,
         };
         let q_strides = RowStrides {
             offset: 0,

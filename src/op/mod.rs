@@ -24,7 +24,10 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 
 /// Split-KV attention for one decode step.
 ///
-/// - q: `(batch, 1, q_heads, head_dim)`
+/// - q: `(batch, t, q_heads, head_dim)`, 1 ≤ t ≤ [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS):
+///   the last t positions of each sequence, query token i seeing the keys up to position
+///   `len − t + i` (causal, aligned to the end of the cache); a token that sees no key gets
+///   zeros and an LSE of −inf. On CUDA this version takes t = 1; several tokens run on the CPU.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous.
 /// - output: the shape and dtype of q.
 ///
@@ -95,8 +98,8 @@ impl SplitKvAttention {
         q.apply_op3(k, v, self.clone())
     }
 
-    /// Runs the op and also returns the log-sum-exp of the scaled scores, f32 `(batch, q_heads, 1)`
-    /// in natural log (−inf for an empty sequence).
+    /// Runs the op and also returns the log-sum-exp of the scaled scores, f32
+    /// `(batch, q_heads, t)` in natural log (−inf where a token sees no key).
     pub fn forward_with_lse(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let slot: LseSlot = Arc::default();
         let op = Self {
@@ -164,13 +167,14 @@ impl SplitKvAttention {
     }
 }
 
-/// Decode attention of one query token per sequence over the whole of k and v.
+/// Decode attention of the last t query tokens of each sequence (t = 1 for plain decoding) over
+/// the whole of k and v; see [`SplitKvAttention`] for the shapes.
 pub fn flash_decode(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32) -> Result<Tensor> {
     SplitKvAttention::new(softmax_scale).forward(q, k, v)
 }
 
 /// Like [`flash_decode`], also returning the log-sum-exp of the scaled scores: f32
-/// `(batch, q_heads, 1)`, natural log.
+/// `(batch, q_heads, t)`, natural log.
 pub fn flash_decode_with_lse(
     q: &Tensor,
     k: &Tensor,
@@ -219,7 +223,7 @@ impl CustomOp3 for SplitKvAttention {
         let call = self.call(dims)?;
         let (out, lse) = cpu::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
         if self.lse_slot.is_some() {
-            let lse = Tensor::from_vec(lse, (dims.batch, dims.q_heads, 1), &Device::Cpu)?;
+            let lse = Tensor::from_vec(lse, (dims.batch, dims.q_heads, dims.q_len), &Device::Cpu)?;
             self.deliver_lse(Some(lse))?;
         }
         Ok((out, q_layout.shape().clone()))

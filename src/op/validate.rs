@@ -3,7 +3,7 @@
 
 use candle_core::{bail, DType, Layout, Result, Tensor};
 
-include!(concat!(env!("OUT_DIR"), "/head_dims.rs"));
+include!(concat!(env!("OUT_DIR"), "/limits.rs"));
 
 /// Sizes of one decode call, after validation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,6 +14,8 @@ pub struct DecodeDims {
     pub head_dim: usize,
     /// Number of cached positions L (the k/v sequence dimension).
     pub kv_len: usize,
+    /// Query tokens per sequence: the last `q_len` positions of each sequence.
+    pub q_len: usize,
 }
 
 impl DecodeDims {
@@ -81,7 +83,7 @@ pub fn check_layouts(
     let (q_dtype, q_layout) = q;
     let (k_dtype, k_layout) = k;
     let (v_dtype, v_layout) = v;
-    check_rank4("q", q_layout.dims(), "(batch, 1, q_heads, head_dim)")?;
+    check_rank4("q", q_layout.dims(), "(batch, q_len, q_heads, head_dim)")?;
     check_rank4("k", k_layout.dims(), "(batch, kv_len, kv_heads, head_dim)")?;
     check_rank4("v", v_layout.dims(), "(batch, kv_len, kv_heads, head_dim)")?;
     if q_dtype != k_dtype || q_dtype != v_dtype {
@@ -95,10 +97,10 @@ pub fn check_layouts(
     }
     let (b, q_len, h_q, d) = q_layout.shape().dims4()?;
     let (kb, kv_len, h_kv, kd) = k_layout.shape().dims4()?;
-    if q_len != 1 {
+    if q_len == 0 || q_len > MAX_QUERY_TOKENS {
         bail!(
-            "split-kv attention: decode takes one query token, q has q_len = {q_len} (shape {:?}); \
-             use causal attention for prefill",
+            "split-kv attention: q has q_len = {q_len} (shape {:?}); the op takes 1 to \
+             {MAX_QUERY_TOKENS} query tokens per sequence; use causal attention for a longer prefill",
             q_layout.dims()
         )
     }
@@ -134,6 +136,7 @@ pub fn check_layouts(
         kv_heads: h_kv,
         head_dim: d,
         kv_len,
+        q_len,
     })
 }
 

@@ -69,12 +69,13 @@ pub fn head_major_view(
     Ok((view, dense))
 }
 
-/// softmax(q·kᵀ·scale)·v and the natural-log LSE, in f64, per `(b, h_q)`.
+/// softmax(q·kᵀ·scale)·v and the natural-log LSE, in f64, per `(b, t, h_q)`: query token i of
+/// t is the sequence's position len − t + i and sees the keys up to it (all of them for t = 1).
 /// `seqlens` restricts batch entry `b` to its first `seqlens[b]` positions.
 pub struct Reference {
-    /// `(b, h_q, d)` flattened.
+    /// `(b, t, h_q, d)` flattened.
     pub out: Vec<f64>,
-    /// `(b, h_q)` flattened.
+    /// `(b, h_q, t)` flattened.
     pub lse: Vec<f64>,
 }
 
@@ -85,7 +86,7 @@ pub fn reference(
     scale: f32,
     seqlens: Option<&[u32]>,
 ) -> Result<Reference> {
-    let (b, _, h_q, d) = q.dims4()?;
+    let (b, t_len, h_q, d) = q.dims4()?;
     let (_, l, h_kv, _) = k.dims4()?;
     let group = h_q / h_kv;
     // f32 holds f16/bf16 values exactly and halves the memory of an f64 copy.
@@ -100,19 +101,21 @@ pub fn reference(
         to_host(&k.contiguous()?)?,
         to_host(&v.contiguous()?)?,
     );
-    // One row per (batch, q head), computed in parallel: GPU tests check long sequences.
-    let rows: Vec<(Vec<f64>, f64)> = (0..b * h_q)
+    // One row per (batch, token, q head), computed in parallel: GPU tests check long sequences.
+    // Token i of t is position len − t + i and sees the keys up to it.
+    let rows: Vec<(Vec<f64>, f64)> = (0..b * t_len * h_q)
         .into_par_iter()
         .map(|row| {
-            let (bi, h) = (row / h_q, row % h_q);
+            let (bi, token, h) = (row / (t_len * h_q), (row / h_q) % t_len, row % h_q);
             let len = seqlens.map_or(l, |s| s[bi] as usize);
+            let visible = (len + token + 1).saturating_sub(t_len);
             let g = h / group;
             let qrow = &q[row * d..(row + 1) * d];
             let mut o = vec![0f64; d];
-            if len == 0 {
+            if visible == 0 {
                 return (o, f64::NEG_INFINITY);
             }
-            let scores: Vec<f64> = (0..len)
+            let scores: Vec<f64> = (0..visible)
                 .map(|t| {
                     let krow = &k[((bi * l + t) * h_kv + g) * d..][..d];
                     qrow.iter()
@@ -136,7 +139,12 @@ pub fn reference(
             (o, max + sum.ln())
         })
         .collect();
-    let lse = rows.iter().map(|(_, lse)| *lse).collect();
+    // The LSE in (batch, q head, token) order, as the op returns it.
+    let mut lse = vec![0f64; rows.len()];
+    for (row, (_, x)) in rows.iter().enumerate() {
+        let (bi, token, h) = (row / (t_len * h_q), (row / h_q) % t_len, row % h_q);
+        lse[(bi * h_q + h) * t_len + token] = *x;
+    }
     let out = rows.into_iter().flat_map(|(o, _)| o).collect();
     Ok(Reference { out, lse })
 }

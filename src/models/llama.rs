@@ -366,6 +366,28 @@ impl Llama {
     /// Runs `tokens` (one sequence) after what the cache already holds, appends them to the
     /// cache, and returns the f32 logits `(vocab,)` of the last token.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.hidden_states(tokens)?;
+        let last = x.narrow(1, tokens.len() - 1, 1)?;
+        self.logits(&last)?.flatten_all()
+    }
+
+    /// Like [`Llama::forward`], returning the f32 logits `(t, vocab)` of every token: what
+    /// verifying drafted tokens needs. Up to [`crate::MAX_QUERY_TOKENS`] tokens after a filled
+    /// cache run through the split-KV op, where the device runs that many (see
+    /// [`crate::SplitKvAttention`]).
+    pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        let x = self.hidden_states(tokens)?;
+        self.logits(&x)?.squeeze(0)
+    }
+
+    /// Forgets the cached positions from `len` on, e.g. rejected drafted tokens: a length
+    /// change, no copy. A cache at most `len` long is unchanged.
+    pub fn truncate(&mut self, len: usize) {
+        self.caches.iter_mut().for_each(|c| c.truncate(len));
+    }
+
+    /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache.
+    fn hidden_states(&mut self, tokens: &[u32]) -> Result<Tensor> {
         if tokens.is_empty() {
             bail!("llama forward: no tokens given")
         }
@@ -399,12 +421,16 @@ impl Llama {
                 }
             };
         }
-        let last = x.narrow(1, t - 1, 1)?;
+        Ok(x)
+    }
+
+    /// f32 logits `(1, t, vocab)` of hidden states `(1, t, hidden)`.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let logits = match &self.weights.head {
-            Head::Separate { norm, lm_head } => lm_head.forward(&norm.forward(&last)?)?,
-            Head::Joined(head) => head.forward(&last, self.fused_decode)?,
+            Head::Separate { norm, lm_head } => lm_head.forward(&norm.forward(x)?)?,
+            Head::Joined(head) => head.forward(x, self.fused_decode)?,
         };
-        logits.flatten_all()?.to_dtype(DType::F32)
+        logits.to_dtype(DType::F32)
     }
 
     /// Forgets the cached sequence.

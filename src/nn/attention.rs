@@ -2,8 +2,8 @@
 //!
 //! A model computes q, k and v, applies RoPE, and hands them to [`CachedAttention::forward`]
 //! together with the layer's cache. The new keys and values are written into the cache in place;
-//! then a prompt (`t > 1` new tokens) runs causal attention and a decode step (`t == 1`) runs the
-//! split-KV op over the cache views, with no copy of the cache.
+//! then a decode step (`t == 1`), or a few tokens being verified, runs the split-KV op over the
+//! cache views with no copy of the cache, and a longer prompt runs a blocked causal attention.
 
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -118,8 +118,9 @@ impl CachedAttention {
             let (k_all, v_all) = cache.append(k, v)?;
             return self.attend(q, &k_all, &v_all, past);
         }
-        if t == 1 && self.uses_split_kv(head_dim) {
-            // Ragged decode: one op call, each sequence masked to its own length.
+        if self.uses_split_kv(head_dim) && crate::op::runs_query_tokens(q.device(), t) {
+            // Ragged decode (or verification of a few tokens): one op call, each sequence masked
+            // to its own length.
             let (k_all, v_all) = cache.append(k, v)?;
             let lens = cache.seq_lens_tensor()?;
             let q_cache = q.to_dtype(k_all.dtype())?;
@@ -153,7 +154,9 @@ impl CachedAttention {
     fn attend(&self, q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize) -> Result<Tensor> {
         let (_, t, _, head_dim) = q.dims4()?;
         match self.backend {
-            AttentionBackend::SplitKv if t == 1 && self.uses_split_kv(head_dim) => {
+            AttentionBackend::SplitKv
+                if self.uses_split_kv(head_dim) && crate::op::runs_query_tokens(q.device(), t) =>
+            {
                 // The op takes q in the cache's dtype; it accumulates in f32 whatever the dtype.
                 let q_cache = q.to_dtype(k_all.dtype())?;
                 crate::op::flash_decode(&q_cache, k_all, v_all, self.softmax_scale)?

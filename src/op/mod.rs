@@ -201,6 +201,15 @@ pub fn flash_decode_varlen(
         .forward(q, k, v)
 }
 
+/// Whether the op runs `t` query tokens per sequence on `device` in this version: up to
+/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) on the CPU, one on CUDA.
+pub(crate) fn runs_query_tokens(device: &Device, t: usize) -> bool {
+    match device {
+        Device::Cpu => (1..=validate::MAX_QUERY_TOKENS).contains(&t),
+        _ => t == 1,
+    }
+}
+
 impl CustomOp3 for SplitKvAttention {
     fn name(&self) -> &'static str {
         "split-kv-decode"

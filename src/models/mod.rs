@@ -3,4 +3,5 @@
 pub mod linear;
 pub mod llama;
 pub mod q8_rows;
+pub mod speculative;
 pub mod weight_form;

@@ -9,7 +9,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use super::kernels::{CombineParams, DecodeParams, KernelForm, SplitMerge};
-use super::launch::{device_ptr, launch_dependent};
+use super::launch::{device_ptr, launch_dependent, tensor_ptr};
 use super::lockstep::LOCKSTEP_TILES;
 use super::memory::poison;
 use super::planner::{self, prepare};
@@ -78,17 +78,11 @@ fn seqlens_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
     if !t.is_contiguous() {
         bail!("split-kv attention: seqlens_k must be contiguous")
     }
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*storage else {
-        bail!("split-kv attention: seqlens_k must be on q's CUDA device")
-    };
-    // The tensor outlives the launch: the op holds it until the call returns, and the kernel is
-    // ordered on the stream before any later write to it.
-    Ok(device_ptr(
-        s.as_cuda_slice::<u32>()?,
-        dev,
-        layout.start_offset(),
-    ))
+    // The op holds the tensor until the call returns.
+    match tensor_ptr::<u32>(t, dev)? {
+        Some(ptr) => Ok(ptr),
+        None => bail!("split-kv attention: seqlens_k must be on q's CUDA device"),
+    }
 }
 
 fn launch<T: CudaDType + DeviceRepr>(

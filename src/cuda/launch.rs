@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
+use candle_core::cuda::CudaDType;
 use candle_core::cuda::WrapErr;
 use candle_core::cuda_backend::DeviceId;
-use candle_core::{CudaDevice, Result};
+use candle_core::{CudaDevice, Result, Storage, Tensor};
 use cudarc::driver::{
     sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
@@ -21,6 +22,21 @@ pub(crate) fn device_ptr<T>(slice: &CudaSlice<T>, dev: &CudaDevice, offset_elems
     let stream = dev.cuda_stream();
     let (ptr, _sync) = slice.device_ptr(&stream);
     ptr + (offset_elems * std::mem::size_of::<T>()) as u64
+}
+
+/// The device address of `t`'s first element, or `None` where `t` is not on a CUDA device. The
+/// tensor must outlive the launch that uses the address (kernels are ordered on the stream before
+/// any later write to it).
+pub(crate) fn tensor_ptr<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<Option<u64>> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        return Ok(None);
+    };
+    Ok(Some(device_ptr(
+        s.as_cuda_slice::<T>()?,
+        dev,
+        layout.start_offset(),
+    )))
 }
 
 /// How many CTAs of one kernel the GPU holds at once.

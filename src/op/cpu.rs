@@ -84,60 +84,19 @@ pub(crate) fn forward(
         }
     };
     let plan = call.split_plan(parallel_slots(), MIN_CHUNK);
-    fn typed<'a, T: Element>(
-        call: &DecodeCall,
-        seqlens: Option<&'a [u32]>,
-        q: (&'a [T], &Layout),
-        k: (&'a [T], &Layout),
-        v: (&'a [T], &Layout),
-        plan: SplitPlan,
-    ) -> (Vec<T>, Vec<f32>) {
-        let inputs = DecodeInputs {
-            q: q.0,
-            q_strides: RowStrides::of(q.1),
-            k: k.0,
-            k_strides: RowStrides::of(k.1),
-            v: v.0,
-            v_strides: RowStrides::of(v.1),
-            seqlens,
-            dims: call.dims,
-            softmax_scale: call.softmax_scale,
-        };
-        decode(&inputs, plan)
-    }
+    let layouts = [q_layout, k_layout, v_layout];
     let lens = seqlens.as_deref();
     Ok(match (q, k, v) {
         (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-            let (out, lse) = typed(
-                call,
-                lens,
-                (q, q_layout),
-                (k, k_layout),
-                (v, v_layout),
-                plan,
-            );
+            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
             (CpuStorage::F32(out), lse)
         }
         (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-            let (out, lse) = typed(
-                call,
-                lens,
-                (q, q_layout),
-                (k, k_layout),
-                (v, v_layout),
-                plan,
-            );
+            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
             (CpuStorage::F16(out), lse)
         }
         (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-            let (out, lse) = typed(
-                call,
-                lens,
-                (q, q_layout),
-                (k, k_layout),
-                (v, v_layout),
-                plan,
-            );
+            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
             (CpuStorage::BF16(out), lse)
         }
         _ => bail!(
@@ -145,6 +104,28 @@ pub(crate) fn forward(
             q.dtype()
         ),
     })
+}
+
+/// [`decode`] over q, k and v slices of one element type laid out as `layouts` (q, k, v).
+fn decode_slices<T: Element>(
+    call: &DecodeCall,
+    seqlens: Option<&[u32]>,
+    [q_layout, k_layout, v_layout]: [&Layout; 3],
+    plan: SplitPlan,
+    (q, k, v): (&[T], &[T], &[T]),
+) -> (Vec<T>, Vec<f32>) {
+    let inputs = DecodeInputs {
+        q,
+        q_strides: RowStrides::of(q_layout),
+        k,
+        k_strides: RowStrides::of(k_layout),
+        v,
+        v_strides: RowStrides::of(v_layout),
+        seqlens,
+        dims: call.dims,
+        softmax_scale: call.softmax_scale,
+    };
+    decode(&inputs, plan)
 }
 
 /// One decode call's inputs, borrowed from candle's storage.

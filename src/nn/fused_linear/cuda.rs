@@ -2,13 +2,13 @@
 //! candle's stream.
 
 use candle_core::cuda::CudaDType;
-use candle_core::{CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
 use super::{LinearInput, LinearOutput};
 use crate::cuda::kernels::{KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue};
-use crate::cuda::launch::{device_ptr, launch_dependent, resident_ctas};
+use crate::cuda::launch::{device_ptr, launch_dependent, resident_ctas, tensor_ptr};
 
 /// The staged input lives in shared memory; past this the kernel would need an opt-in limit
 /// that not every GPU has, and such wide layers are rare, so they take the unfused path.
@@ -115,15 +115,10 @@ fn staged_bytes(input: LinearInput, k: usize, elem: usize) -> usize {
 
 /// The device address of `t`'s first element, keeping its storage borrowed for the launch.
 fn address<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<u64> {
-    let (storage, layout): (_, &Layout) = t.storage_and_layout();
-    let Storage::Cuda(s) = &*storage else {
-        candle_core::bail!("fused linear: every tensor must be on the CUDA device")
-    };
-    Ok(device_ptr(
-        s.as_cuda_slice::<T>()?,
-        dev,
-        layout.start_offset(),
-    ))
+    match tensor_ptr::<T>(t, dev)? {
+        Some(ptr) => Ok(ptr),
+        None => candle_core::bail!("fused linear: every tensor must be on the CUDA device"),
+    }
 }
 
 fn launch<T: CudaDType + DeviceRepr>(

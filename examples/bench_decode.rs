@@ -82,6 +82,10 @@ struct Args {
     /// Context lengths.
     #[arg(long = "len", value_delimiter = ',')]
     lens: Option<Vec<usize>>,
+    /// Query tokens per sequence (the last positions, causal), e.g. 1,2,4,8: a verification pass
+    /// of drafted tokens. The naive path is timed for one token only.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    qlen: Vec<usize>,
     /// Timed repetitions per point; the median is reported.
     #[arg(long, default_value_t = 7)]
     reps: usize,
@@ -107,6 +111,7 @@ struct Args {
 #[derive(Clone, Copy, Debug)]
 struct Point {
     b: usize,
+    t: usize,
     hq: usize,
     hk: usize,
     d: usize,
@@ -120,7 +125,7 @@ impl Point {
     }
     /// Bytes the op must move: K and V once, q in and out once.
     fn bytes(&self) -> usize {
-        self.kv_bytes() + 2 * self.b * self.hq * self.d * self.dtype.size_in_bytes()
+        self.kv_bytes() + 2 * self.b * self.t * self.hq * self.d * self.dtype.size_in_bytes()
     }
 }
 
@@ -171,9 +176,13 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
     for dtype in dtypes {
         for &(hq, hk, d) in &heads {
             for &b in &batches {
-                for &l in &lens {
+                for (&l, &t) in lens
+                    .iter()
+                    .flat_map(|l| args.qlen.iter().map(move |t| (l, t)))
+                {
                     let p = Point {
                         b,
+                        t,
                         hq,
                         hk,
                         d,
@@ -190,7 +199,7 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
     Ok(out)
 }
 
-/// One buffer set: q `(b,1,hq,d)` and k, v head-major `(b,hk,L,d)` as a cache holds them.
+/// One buffer set: q `(b,t,hq,d)` and k, v head-major `(b,hk,L,d)` as a cache holds them.
 struct Inputs {
     q: Tensor,
     k_cache: Tensor,
@@ -203,7 +212,7 @@ impl Inputs {
             Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(p.dtype)?)
         };
         Ok(Self {
-            q: rand((p.b, 1, p.hq, p.d))?,
+            q: rand((p.b, p.t, p.hq, p.d))?,
             k_cache: rand((p.b, p.hk, p.l, p.d))?,
             v_cache: rand((p.b, p.hk, p.l, p.d))?,
         })
@@ -239,7 +248,7 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
     let gbps = p.bytes() as f64 / us / 1e3;
     let mut line = json!({
         "kind": "ours", "backend": backend, "device": device, "dtype": dtype_name(p.dtype),
-        "b": p.b, "hq": p.hq, "hk": p.hk, "L": p.l, "d": p.d,
+        "b": p.b, "t": p.t, "hq": p.hq, "hk": p.hk, "L": p.l, "d": p.d,
         "us": (us * 100.0).round() / 100.0, "GBps": gbps.round(),
     });
     if let (Some(obj), Some(more)) = (line.as_object_mut(), extra.as_object()) {
@@ -252,9 +261,10 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
         println!("{line}");
     } else {
         println!(
-            "{backend:>13} {:>8} b={:<3} h={}/{} d={:<3} L={:<7} {:>10.1} us {:>7.0} GB/s  {extra}",
+            "{backend:>13} {:>8} b={:<3} t={:<2} h={}/{} d={:<3} L={:<7} {:>10.1} us {:>7.0} GB/s  {extra}",
             dtype_name(p.dtype),
             p.b,
+            p.t,
             p.hq,
             p.hk,
             p.d,
@@ -319,7 +329,7 @@ fn bench_cpu(args: &Args) -> Result<()> {
                 std::hint::black_box(run_splitkv(&op, &x)?);
                 ours.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            if args.backend != Backend::Splitkv {
+            if args.backend != Backend::Splitkv && p.t == 1 {
                 let t = Instant::now();
                 std::hint::black_box(run_naive(&x, p.hq, scale)?);
                 naive.push(t.elapsed().as_secs_f64() * 1e6);
@@ -419,7 +429,7 @@ mod gpu {
                     json!({"splits": splits, "timing": how, "sets": sets}),
                 );
             }
-            if args.backend != Backend::Splitkv {
+            if args.backend != Backend::Splitkv && p.t == 1 {
                 let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
                     run_naive(&inputs[i], p.hq, scale).map(drop)
                 })?;
@@ -444,6 +454,19 @@ fn main() -> Result<()> {
     }
     if args.passes == 0 {
         bail!("--passes must be at least 1");
+    }
+    if let Some(&t) = args
+        .qlen
+        .iter()
+        .find(|&&t| !(1..=candle_splitkv::MAX_QUERY_TOKENS).contains(&t))
+    {
+        bail!(
+            "--qlen {t}: the op takes 1 to {} query tokens per sequence",
+            candle_splitkv::MAX_QUERY_TOKENS
+        );
+    }
+    if args.backend == Backend::CandleNaive && args.qlen.iter().any(|&t| t > 1) {
+        bail!("--backend candle-naive times one query token; drop --qlen or pass --qlen 1");
     }
     for pass in 0..args.passes {
         let args = Args {

@@ -146,7 +146,8 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
         state.fold(lse, ones, x);
         const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
         if (row < 0) return;  // a padding head
-        static_cast<T*>(p.out)[(long long)row * D + c] = from_float<T>(state.normalised());
+        static_cast<T*>(p.out)[output_row(row, p.query_tokens, p.out_heads) * D + c] =
+            from_float<T>(state.normalised());
         if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = state.lse2() * kLn2;
         return;
     }
@@ -168,7 +169,8 @@ __device__ __forceinline__ void merge_pushed_slices(const DecodeParams& p,
         state.fold(lse, ones, x);
         const int row = real_row(b * p.q_heads + kv_head * group + g, p.padded_group, p.real_group);
         if (row < 0) continue;  // a padding head
-        store4(static_cast<T*>(p.out) + (long long)row * D + c, state.normalised());
+        store4(static_cast<T*>(p.out) + output_row(row, p.query_tokens, p.out_heads) * D + c,
+               state.normalised());
         if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = state.lse2() * kLn2;
     }
 }

@@ -55,7 +55,7 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
 
     // Every split lane saw the same splits for each column group, so lane j's max and sum can be
     // read from any of its threads (column group 0); the lanes' states merge column by column.
-    T* out = static_cast<T*>(p.out) + (long long)row * d;
+    T* out = static_cast<T*>(p.out) + output_row(row, p.query_tokens, p.out_heads) * d;
     const float* acc = reinterpret_cast<const float*>(acc_s);
     MergeState<float> total;
     for (int c = threadIdx.x; c < d; c += kCombineThreads) {

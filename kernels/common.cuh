@@ -11,14 +11,14 @@ struct DecodeParams {
     const void* q;
     const void* k;
     const void* v;
-    void* out;              // (b, h_q, d) in the input dtype; written by the partial pass unless
+    void* out;              // (b, t, h_q, d) in the input dtype; written by the partial pass unless
                             // merge == kMergeByCombinePass
-    float* lse_out;         // (b, h_q) natural log, or null when not wanted
+    float* lse_out;         // (b, h_q, t) natural log, or null when not wanted
     float* partial_out;     // (b, h_q, num_splits, d) normalised partial outputs (merges through memory)
     float* partial_lse;     // (b, h_q, num_splits) base-2 log-sum-exps (merges through memory)
     const uint32_t* seqlens;  // (b,) or null
     unsigned* split_counters;  // (b, h_kv) arrival counters, all 0 between launches (kMergeByLastCta)
-    long long q_batch_stride, q_head_stride;
+    long long q_batch_stride, q_seq_stride, q_head_stride;
     long long k_batch_stride, k_seq_stride, k_head_stride;
     long long v_batch_stride, v_seq_stride, v_head_stride;
     int batch, q_heads, kv_heads, kv_len;
@@ -29,6 +29,8 @@ struct DecodeParams {
     int padded_group;       // query heads per K/V head as numbered here (see real_row)
     int real_group;         // of which the first real_group exist in q, out and lse_out
     int lockstep_tiles;     // tiles between the cluster barriers of the lockstep forms
+    int query_tokens;       // t: query tokens per sequence, the last t positions (see query_row)
+    int out_heads;          // h_q: the caller's query heads per token
 };
 
 // How the splits of each (batch, kv head) merge (build.rs generates the Rust enum). With one
@@ -50,7 +52,8 @@ struct CombineParams {
     int head_dim;
     int padded_group;  // as in DecodeParams: the partials are numbered with padding
     int real_group;
-    int reserved;
+    int query_tokens;  // as in DecodeParams
+    int out_heads;
 };
 
 // Wide groups are padded to equal blocks of query heads (src/cuda/wide_groups.rs): the kernels number
@@ -69,6 +72,36 @@ __device__ __forceinline__ int padded_row(int real, int padded_group, int real_g
     if (padded_group == real_group) return real;
     const int run = real / real_group;
     return run * padded_group + (real - run * real_group);
+}
+
+// Several query tokens per sequence (speculative verification) are more rows of the group: the
+// kernels number the caller's rows batch by batch, then head by head, then token by token, so
+// row (b * h_q + h) * t + i is query token i of head h, and a kv head's group holds t times as
+// many rows. That is the order of the LSE (b, h_q, t); q and the output are (b, t, h_q, d).
+struct QueryRow {
+    int head, token;  // within the batch
+};
+
+// Row `row` of one batch, in the caller's numbering (real_row's result less the batch's rows).
+__device__ __forceinline__ QueryRow query_row(int row, int tokens) {
+    if (tokens == 1) return {row, 0};
+    const int head = row / tokens;
+    return {head, row - head * tokens};
+}
+
+// The output row (b, t, h_q order) of the caller's row `row`, counted over every batch.
+__device__ __forceinline__ long long output_row(long long row, int tokens, int heads) {
+    if (tokens == 1) return row;
+    const long long bh = row / tokens, b = bh / heads;
+    const long long token = row - bh * tokens, head = bh - b * heads;
+    return (b * tokens + token) * heads + head;
+}
+
+// Query token `token` of `tokens` in a sequence of `len` positions sees positions below this:
+// the causal mask aligned to the end of the cache, so that only the last tokens - 1 positions
+// are ever masked.
+__device__ __forceinline__ int visible_end(int len, int token, int tokens) {
+    return len - (tokens - 1 - token);
 }
 
 // Both partial kernels run four independently streaming warps per CTA.

@@ -68,7 +68,8 @@ __device__ __forceinline__ void merge_splits_if_last(const DecodeParams& p, int 
             }
             state.fold(l, ones, x);
         }
-        store4(static_cast<T*>(p.out) + (long long)out_row * D + quad * 4, state.normalised());
+        store4(static_cast<T*>(p.out) + output_row(out_row, p.query_tokens, p.out_heads) * D + quad * 4,
+               state.normalised());
         if (quad == 0 && p.lse_out != nullptr) p.lse_out[out_row] = state.lse2() * kLn2;
     }
 }

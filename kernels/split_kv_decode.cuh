@@ -65,30 +65,43 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     const int start = split * p.chunk_size;
     const int end = min(start + p.chunk_size, len);
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
+    // Below shared_end every query row sees every position; past it, row g sees up to row_end[g].
+    const int shared_end = min(end, visible_end(len, 0, p.query_tokens));
+    int row_end[GMAX];
 
     // Queries, pre-scaled so that scores come out in base 2.
     float q_reg[Cfg::kQInRegisters ? GMAX : 1][8];
     float* q_s = reinterpret_cast<float*>(smem + Cfg::kSmemBytes);
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-    // Query head g of this block in q, or -1 past the group or for a padding head.
-    auto q_head = [&](int g) {
-        return g < group ? real_row(kv_head * group + g, p.padded_group, p.real_group) : -1;
+    // Query row g of this block in the caller's q, or head -1 past the group or for a padding head.
+    auto query = [&](int g) -> QueryRow {
+        const int real = g < group ? real_row(kv_head * group + g, p.padded_group, p.real_group) : -1;
+        return real < 0 ? QueryRow{-1, 0} : query_row(real, p.query_tokens);
     };
+    auto q_row = [&](int g) -> long long {
+        const QueryRow r = query(g);
+        return r.head < 0 ? -1 : r.token * p.q_seq_stride + (long long)r.head * p.q_head_stride;
+    };
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+        const QueryRow r = query(g);
+        row_end[g] = r.head < 0 ? end : min(end, visible_end(len, r.token, p.query_tokens));
+    }
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
         for (int g = 0; g < GMAX; ++g) {
-            const int h = q_head(g);
+            const long long row = q_row(g);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                q_reg[g][j] = (h >= 0 && active)
-                    ? to_float(q[(long long)h * p.q_head_stride + chunk * 8 + j]) * p.scale_log2
+                q_reg[g][j] = (row >= 0 && active)
+                    ? to_float(q[row + chunk * 8 + j]) * p.scale_log2
                     : 0.f;
         }
     } else {
         for (int i = tid; i < GMAX * D; i += kThreads) {
             const int g = i / D, c = i - g * D;
-            const int h = q_head(g);
-            q_s[i] = h >= 0 ? to_float(q[(long long)h * p.q_head_stride + c]) * p.scale_log2 : 0.f;
+            const long long row = q_row(g);
+            q_s[i] = row >= 0 ? to_float(q[row + c]) * p.scale_log2 : 0.f;
         }
         __syncthreads();
     }
@@ -173,9 +186,10 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 #pragma unroll
                 for (int g = 0; g < GMAX; ++g)
                     score[g][step] += __shfl_xor_sync(0xffffffffu, score[g][step], o);
-            const bool valid = first + row < end;
+            const bool shared = first + row < shared_end;
 #pragma unroll
-            for (int g = 0; g < GMAX; ++g) score[g][step] = valid ? score[g][step] : -INFINITY;
+            for (int g = 0; g < GMAX; ++g)
+                score[g][step] = shared || first + row < row_end[g] ? score[g][step] : -INFINITY;
         }
 
         // Online softmax: one max per head over the warp tile, shared by all lanes.
@@ -187,12 +201,15 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
             for (int step = 1; step < STEPS; ++step) tile_max = fmaxf(tile_max, score[g][step]);
 #pragma unroll
             for (int o = LPR; o < 32; o <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-            const float new_max = fmaxf(run_max[g], tile_max);  // finite: every tile has a valid row
-            const float rescale = fast_exp2(run_max[g] - new_max);
+            const float new_max = fmaxf(run_max[g], tile_max);
+            // 0 while this row has seen nothing (a tile can be masked whole for the earlier of
+            // several query tokens).
+            const float base = new_max == -INFINITY ? 0.f : new_max;
+            const float rescale = fast_exp2(run_max[g] - base);
             float tile_sum = 0.f;
 #pragma unroll
             for (int step = 0; step < STEPS; ++step) {
-                score[g][step] = fast_exp2(score[g][step] - new_max);
+                score[g][step] = fast_exp2(score[g][step] - base);
                 tile_sum += score[g][step];
             }
             run_sum[g] = run_sum[g] * rescale + tile_sum;  // this lane's rows only

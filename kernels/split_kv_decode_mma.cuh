@@ -5,8 +5,9 @@
 // the four warps owns a private cp.async ring and an interleaved share of the chunk's tiles,
 // so the main loop has no block-wide barrier; the warps merge once per item.
 //
-// The GQA group is the M dimension of `mma.m16n8k16`: the query heads of one kv head form a
-// 16-row A operand (heads past the group are zero), so each 16 rows of K cost D/16 × 2 MMAs for
+// The GQA group is the M dimension of `mma.m16n8k16`: the query rows of one kv head (its query
+// heads, times the query tokens where there are several) form a 16-row A operand (rows past the
+// group are zero), so each 16 rows of K cost D/16 × 2 MMAs for
 // the scores and D/8 MMAs for the values, whatever the group size. That moves the dot products
 // off the CUDA cores, which is what limits large groups there. A tile is 16 rows (32 at D ≤ 64);
 // per 16 rows of it and warp:
@@ -137,6 +138,8 @@ __device__ __forceinline__ int piece_offset(int row, int piece) {
 struct MmaItem {
     int split, kv_head, b;
     int start, end;   // positions [start, end) of this split
+    int len;          // positions of the sequence
+    int shared_end;   // end, or below it the positions every query token sees (visible_end)
     int my_tiles;     // tiles of the chunk this warp streams
     const char* k;    // row 0 of (b, kv_head)
     const char* v;
@@ -160,6 +163,8 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[it.b]);
     it.start = it.split * p.chunk_size;
     it.end = min(it.start + p.chunk_size, len);
+    it.len = len;
+    it.shared_end = min(it.end, visible_end(len, 0, p.query_tokens));
     const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
@@ -284,17 +289,25 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         }
     };
 
-    // Q as A fragments, one set per k-step; heads past the group, and padding heads, are zero.
+    // Q as A fragments, one set per k-step; rows past the group, and padding heads, are zero.
+    // row_end: where the positions that rows quad_row and quad_row + 8 see end in the item.
     uint32_t q_frag[KSTEPS][4];
+    int row_end[2];
     auto load_q = [&](const MmaItem& it) {
         const T* q = static_cast<const T*>(p.q) + it.b * p.q_batch_stride;
-        auto head_row = [&](int head) -> const T* {
+        auto head_row = [&](int head, int& end) -> const T* {
+            end = it.end;
             if (head >= group) return nullptr;
             const int real = real_row(it.kv_head * group + head, p.padded_group, p.real_group);
-            return real < 0 ? nullptr : q + (long long)real * p.q_head_stride;
+            if (real < 0) return nullptr;
+            const QueryRow r = query_row(real, p.query_tokens);
+            end = min(it.end, visible_end(it.len, r.token, p.query_tokens));
+            return q + r.token * p.q_seq_stride + (long long)r.head * p.q_head_stride;
         };
-        const T* lo = head_row(quad_row);
-        const T* hi = kUpper ? head_row(quad_row + 8) : nullptr;
+        const T* lo = head_row(quad_row, row_end[0]);
+        const T* hi = nullptr;
+        row_end[1] = it.end;
+        if constexpr (kUpper) hi = head_row(quad_row + 8, row_end[1]);
         auto q_pair = [](const T* row, int col) -> uint32_t {
             return row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + col);
         };
@@ -420,7 +433,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                         for (int j = 0; j < 4; ++j) s[rb][nt][j] += s_odd[rb][nt][j];
             }
 
-            const bool full = first + ROWS <= it.end;
+            const bool full = first + ROWS <= it.shared_end;
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
@@ -428,10 +441,13 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const int row = first + rb * 16 + nt * 8 + quad_col * 2 + (j & 1);
-                        s[rb][nt][j] = full || row < it.end ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
+                        s[rb][nt][j] =
+                            full || row < row_end[j >> 1] ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
                     }
 
-            float rescale[2] = {1.f, 1.f};
+            // base: the max the weights are taken against; 0 while a query row has seen nothing
+            // (with several query tokens a tile can be masked whole for the earlier ones).
+            float rescale[2] = {1.f, 1.f}, base[2] = {0.f, 0.f};
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 if (h == 1 && !kUpper) break;
@@ -440,8 +456,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                 for (int rb = 0; rb < RB; ++rb)
                     thread_max = fmaxf(thread_max, fmaxf(fmaxf(s[rb][0][2 * h], s[rb][0][2 * h + 1]),
                                                          fmaxf(s[rb][1][2 * h], s[rb][1][2 * h + 1])));
-                const float new_max = fmaxf(run_max[h], quad_max(thread_max));  // finite: each tile has a valid row
-                rescale[h] = fast_exp2(run_max[h] - new_max);
+                const float new_max = fmaxf(run_max[h], quad_max(thread_max));
+                base[h] = new_max == -INFINITY ? 0.f : new_max;
+                rescale[h] = fast_exp2(run_max[h] - base[h]);
                 run_max[h] = new_max;
             }
 
@@ -461,8 +478,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                             continue;
                         }
                         const uint32_t packed =
-                            TC::pack(fast_exp2(s[rb][nt][2 * h] - run_max[h]),
-                                     fast_exp2(s[rb][nt][2 * h + 1] - run_max[h]));
+                            TC::pack(fast_exp2(s[rb][nt][2 * h] - base[h]),
+                                     fast_exp2(s[rb][nt][2 * h + 1] - base[h]));
                         const float2 rounded = TC::unpack(packed);
                         tile_sum[h] += rounded.x + rounded.y;
                         p_frag[rb][nt * 2 + h] = packed;

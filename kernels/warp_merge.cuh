@@ -49,7 +49,8 @@ __device__ __forceinline__ void merge_warps_and_store(const DecodeParams& p, con
         if (single) {
             const int row = real_row((int)row_index, p.padded_group, p.real_group);
             if (row >= 0) {
-                store4(static_cast<T*>(p.out) + (long long)row * D + c, value);
+                const long long out_row = output_row(row, p.query_tokens, p.out_heads);
+                store4(static_cast<T*>(p.out) + out_row * D + c, value);
                 if (c == 0 && p.lse_out != nullptr) p.lse_out[row] = lse2 * kLn2;
             }
         } else if (cluster_receive != nullptr) {

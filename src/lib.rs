@@ -7,7 +7,7 @@
 //!
 //! Tensors follow candle's flash-attention convention:
 //! - q: `(batch, t, q_heads, head_dim)`: t = 1 for plain decoding, up to [`MAX_QUERY_TOKENS`]
-//!   to verify drafted tokens in one pass (the last t positions, causal; the CPU only for now)
+//!   to verify drafted tokens in one pass (the last t positions, causal)
 //! - k, v: `(batch, kv_len, kv_heads, head_dim)`, only the last dim contiguous, so a narrowed,
 //!   transposed view of a head-major `(batch, kv_heads, capacity, head_dim)` cache goes in
 //!   without a copy.

@@ -23,7 +23,7 @@ pub(crate) fn split_plan(call: &DecodeCall, dev: &CudaDevice, dtype: DType) -> R
     Ok(prepare(call, dev, dtype, &query_blocks(call.dims))?.1)
 }
 
-/// Runs a validated call: the output, and the natural-log LSE `(b, h_q, 1)` where the call asked
+/// Runs a validated call: the output, and the natural-log LSE `(b, h_q, t)` where the call asked
 /// for it.
 pub(crate) fn forward(
     call: &DecodeCall,
@@ -98,13 +98,6 @@ fn launch<T: CudaDType + DeviceRepr>(
         RowStrides::of(k_layout),
         RowStrides::of(v_layout),
     );
-    if call.dims.q_len > 1 {
-        bail!(
-            "split-kv attention: q has q_len = {} query tokens per sequence; on CUDA this \
-             version takes one (several run on the CPU)",
-            call.dims.q_len
-        )
-    }
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
     check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
     check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
@@ -115,9 +108,9 @@ fn launch<T: CudaDType + DeviceRepr>(
             i32::MAX
         )
     }
-    // From here on a "kv head" is a block of query heads, and wide groups are padded (see
-    // `wide_groups`); the output and the LSE keep the caller's heads.
-    let real_rows = call.dims.batch * call.dims.q_heads;
+    // From here on a "kv head" is a block of query rows (heads × tokens), and wide groups are
+    // padded (see `wide_groups`); the output and the LSE keep the caller's shapes.
+    let real_rows = call.dims.batch * call.dims.q_heads * call.dims.q_len;
     let blocks = query_blocks(call.dims);
     let dims = blocks.dims;
 
@@ -170,6 +163,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         seqlens: seqlens_ptr(call, &dev)?,
         split_counters: launch.counters.unwrap_or(0),
         q_batch_stride: q_strides.batch as i64,
+        q_seq_stride: q_strides.seq as i64,
         q_head_stride: q_strides.head as i64,
         k_batch_stride: k_strides.batch as i64,
         k_seq_stride: k_strides.seq as i64,
@@ -189,6 +183,8 @@ fn launch<T: CudaDType + DeviceRepr>(
         padded_group: blocks.padded_group as i32,
         real_group: blocks.real_group as i32,
         lockstep_tiles: LOCKSTEP_TILES,
+        query_tokens: call.dims.q_len as i32,
+        out_heads: call.dims.q_heads as i32,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and
@@ -211,7 +207,8 @@ fn launch<T: CudaDType + DeviceRepr>(
             head_dim: dims.head_dim as i32,
             padded_group: blocks.padded_group as i32,
             real_group: blocks.real_group as i32,
-            reserved: 0,
+            query_tokens: call.dims.q_len as i32,
+            out_heads: call.dims.q_heads as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (real_rows as u32, 1, 1),
@@ -228,7 +225,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev.clone()));
         Tensor::from_storage(
             storage,
-            (call.dims.batch, call.dims.q_heads, 1),
+            (call.dims.batch, call.dims.q_heads, call.dims.q_len),
             candle_core::op::BackpropOp::none(),
             false,
         )

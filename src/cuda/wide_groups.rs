@@ -1,5 +1,9 @@
 //! Query groups wider than a CUDA block holds: multi-query models such as Falcon-7B (71 query
-//! heads on one kv head) or gpt_bigcode (48).
+//! heads on one kv head) or gpt_bigcode (48), and calls with several query tokens per sequence.
+//!
+//! The kernels see a kv head's query rows, its query heads times the query tokens, as one group
+//! (see `query_row` in kernels/common.cuh): verifying 8 drafted tokens of a model with 4 query
+//! heads per kv head is a group of 32 rows.
 //!
 //! A block of the CUDA kernels holds up to [`max_group`] query heads of one kv head, the M
 //! dimension of its tensor-core tiles. A wider group runs as `⌈group / max_group()⌉` blocks of
@@ -42,28 +46,30 @@ pub(crate) fn padded_group(group: usize) -> usize {
 /// which the kernels treat as kv heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct QueryBlocks {
-    /// The sizes the kernels see: `q_heads` padded, `kv_heads` counting blocks.
+    /// The sizes the kernels see: `q_heads` counting padded query rows (one query each, so
+    /// `q_len` 1), `kv_heads` counting blocks.
     pub dims: DecodeDims,
     /// Blocks per kv head of the call: a block reads kv head `block / blocks_per_kv_head`.
     pub blocks_per_kv_head: usize,
-    /// Query heads per kv head as the kernels number them, padding included.
+    /// Query rows per kv head as the kernels number them, padding included.
     pub padded_group: usize,
-    /// Query heads per kv head in the caller's tensors: the first of each padded run.
+    /// Query rows per kv head in the caller's tensors: the first of each padded run.
     pub real_group: usize,
 }
 
-/// The kernels' view of a call: each kv head's group padded with zero query heads to equal
-/// blocks of at most [`max_group`], block `j` of kv head `h` holding padded heads
-/// `h * padded_group + j * (padded_group / blocks) ..` in order. Groups within a block pass
+/// The kernels' view of a call: each kv head's query rows (heads × query tokens) padded with
+/// zero rows to equal blocks of at most [`max_group`], block `j` of kv head `h` holding padded
+/// rows `h * padded_group + j * (padded_group / blocks) ..` in order. Groups within a block pass
 /// through as one block per kv head without padding.
 pub(crate) fn query_blocks(dims: DecodeDims) -> QueryBlocks {
-    let real_group = dims.group_size();
+    let real_group = dims.group_size() * dims.q_len;
     let blocks = blocks_per_kv_head(real_group);
     let padded_group = padded_group(real_group);
     QueryBlocks {
         dims: DecodeDims {
             q_heads: dims.kv_heads * padded_group,
             kv_heads: dims.kv_heads * blocks,
+            q_len: 1,
             ..dims
         },
         blocks_per_kv_head: blocks,
@@ -132,6 +138,31 @@ mod tests {
             assert!(blocks.dims.group_size() <= max_group());
             assert_eq!(blocks.real_group * kv_heads, q_heads);
             assert_eq!(blocks.padded_group * kv_heads, blocks.dims.q_heads);
+        }
+    }
+
+    #[test]
+    fn query_tokens_widen_the_group() {
+        // (q heads, kv heads, tokens) → (kernel q heads, kernel kv heads, blocks per kv head)
+        for (q_heads, kv_heads, t, want) in [
+            (32, 8, 4, (128, 8, 1)),
+            (32, 8, 8, (256, 16, 2)),
+            (64, 8, 8, (512, 32, 4)),
+            (32, 32, 16, (512, 32, 1)),
+            (16, 1, 3, (48, 3, 3)),
+        ] {
+            let blocks = query_blocks(DecodeDims {
+                q_len: t,
+                ..dims(q_heads, kv_heads)
+            });
+            let got = (
+                blocks.dims.q_heads,
+                blocks.dims.kv_heads,
+                blocks.blocks_per_kv_head,
+            );
+            assert_eq!(got, want, "{q_heads}/{kv_heads} t = {t}");
+            assert_eq!(blocks.dims.q_len, 1);
+            assert_eq!(blocks.real_group, q_heads / kv_heads * t);
         }
     }
 }

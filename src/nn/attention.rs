@@ -118,7 +118,7 @@ impl CachedAttention {
             let (k_all, v_all) = cache.append(k, v)?;
             return self.attend(q, &k_all, &v_all, past);
         }
-        if self.uses_split_kv(head_dim) && crate::op::runs_query_tokens(q.device(), t) {
+        if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) {
             // Ragged decode (or verification of a few tokens): one op call, each sequence masked
             // to its own length.
             let (k_all, v_all) = cache.append(k, v)?;
@@ -155,7 +155,7 @@ impl CachedAttention {
         let (_, t, _, head_dim) = q.dims4()?;
         match self.backend {
             AttentionBackend::SplitKv
-                if self.uses_split_kv(head_dim) && crate::op::runs_query_tokens(q.device(), t) =>
+                if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) =>
             {
                 // The op takes q in the cache's dtype; it accumulates in f32 whatever the dtype.
                 let q_cache = q.to_dtype(k_all.dtype())?;

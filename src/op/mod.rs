@@ -27,7 +27,7 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 /// - q: `(batch, t, q_heads, head_dim)`, 1 ≤ t ≤ [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS):
 ///   the last t positions of each sequence, query token i seeing the keys up to position
 ///   `len − t + i` (causal, aligned to the end of the cache); a token that sees no key gets
-///   zeros and an LSE of −inf. On CUDA this version takes t = 1; several tokens run on the CPU.
+///   zeros and an LSE of −inf. The t tokens of a sequence share one pass over its K/V.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous.
 /// - output: the shape and dtype of q.
 ///
@@ -201,13 +201,10 @@ pub fn flash_decode_varlen(
         .forward(q, k, v)
 }
 
-/// Whether the op runs `t` query tokens per sequence on `device` in this version: up to
-/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) on the CPU, one on CUDA.
-pub(crate) fn runs_query_tokens(device: &Device, t: usize) -> bool {
-    match device {
-        Device::Cpu => (1..=validate::MAX_QUERY_TOKENS).contains(&t),
-        _ => t == 1,
-    }
+/// Whether the op takes `t` query tokens per sequence: 1 to
+/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS), on every device.
+pub(crate) fn takes_query_tokens(t: usize) -> bool {
+    (1..=validate::MAX_QUERY_TOKENS).contains(&t)
 }
 
 impl CustomOp3 for SplitKvAttention {

@@ -8,6 +8,13 @@
 //! - `candle_stock`: candle-transformers' Llama on the same weights, its cache filled by a
 //!   chunked prefill (it has no other way in), up to `--stock-max-context`.
 //!
+//! With `--speculate K`, it also times a verification step: K drafted tokens and the one
+//! before them through the model in one pass (`Llama::forward_all`), the cache rolled back after
+//! each. At a synthetic acceptance rate A (each draft accepted independently with probability A,
+//! as far as the first rejection), a step yields (1 − A^(K+1)) / (1 − A) tokens on average; the
+//! `splitkv_speculative` line reports the tokens/s that gives, drafting taken as free (prompt
+//! lookup costs no model pass), next to plain decoding.
+//!
 //! Prints one JSON line per (context, backend):
 //! `{"kind":"e2e","model":...,"context":C,"backend":...,"ms_per_token":...,...}` with the
 //! attention share of the step time (our backends) and the bytes a step must read
@@ -80,6 +87,12 @@ struct Args {
     /// bf16, f16 or f32 (default: bf16 on CUDA, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// Drafted tokens per verification step to time (0: none). At most 15.
+    #[arg(long, default_value_t = 0)]
+    speculate: usize,
+    /// The synthetic acceptance rate of each draft, in [0, 1], for `--speculate`.
+    #[arg(long, default_value_t = 0.7)]
+    acceptance: f64,
     /// Keep cudarc's per-buffer event tracking (two CUDA events per allocation, recorded at every
     /// launch). Everything here runs on candle's one stream, so by default it is turned off.
     #[arg(long)]
@@ -224,6 +237,28 @@ impl Report<'_> {
         );
     }
 
+    /// A verification step of `drafts + 1` tokens taking `verify_ms`, at `acceptance`, against
+    /// a plain step of `plain_ms`.
+    fn speculative_line(&self, drafts: usize, acceptance: f64, verify_ms: f64, plain_ms: f64) {
+        let tokens = expected_tokens(drafts, acceptance);
+        let ms_per_token = verify_ms / tokens;
+        println!(
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+             \"context\":{},\"backend\":\"splitkv_speculative\",\"steps\":{},\"drafts\":{drafts},\
+             \"acceptance\":{acceptance},\"tokens_per_step\":{tokens:.3},\"ms_per_step\":{verify_ms:.3},\
+             \"step_vs_plain\":{:.3},\"ms_per_token\":{ms_per_token:.3},\"tokens_per_s\":{:.2},\
+             \"speedup_vs_plain\":{:.3}}}",
+            self.model,
+            self.dtype,
+            self.device,
+            self.context,
+            self.steps,
+            verify_ms / plain_ms,
+            1e3 / ms_per_token,
+            plain_ms / ms_per_token
+        );
+    }
+
     fn error(&self, backend: &str, error: &str) {
         let error = error
             .replace('\\', "\\\\")
@@ -235,6 +270,31 @@ impl Report<'_> {
             self.model, self.dtype, self.device, self.context
         );
     }
+}
+
+/// Tokens a verification step of `drafts` drafts yields on average when each draft is accepted
+/// independently with probability `acceptance` up to the first rejection: the accepted drafts
+/// plus the model's own next token, 1 + A + A² + … + A^drafts.
+fn expected_tokens(drafts: usize, acceptance: f64) -> f64 {
+    (0..=drafts).map(|i| acceptance.powi(i as i32)).sum()
+}
+
+/// Milliseconds per verification step of `drafts + 1` tokens at `context`, the cache rolled
+/// back after each.
+fn run_verify(model: &mut Llama, context: usize, drafts: usize, steps: usize) -> Result<f64> {
+    let device = model.device().clone();
+    let vocab = model.config().vocab_size as u32;
+    model.set_backend(AttentionBackend::SplitKv);
+    model.truncate(context);
+    let ms = time_steps(&device, steps, |i| {
+        let tokens: Vec<u32> = (0..=drafts)
+            .map(|j| ((i + j) as u32 * 7919) % vocab)
+            .collect();
+        model.forward_all(&tokens)?;
+        model.truncate(context);
+        Ok(())
+    })?;
+    Ok(ms)
 }
 
 /// Fills every layer cache of `model` to `context` positions with random keys and values.
@@ -385,6 +445,17 @@ fn main() -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1")
     }
+    if args.speculate >= candle_splitkv::MAX_QUERY_TOKENS {
+        bail!(
+            "--speculate {}: a verification step holds at most {} tokens, so at most {} drafts",
+            args.speculate,
+            candle_splitkv::MAX_QUERY_TOKENS,
+            candle_splitkv::MAX_QUERY_TOKENS - 1
+        )
+    }
+    if !(0.0..=1.0).contains(&args.acceptance) {
+        bail!("--acceptance {} must lie in [0, 1]", args.acceptance)
+    }
     let max_context = contexts.iter().copied().max().unwrap_or(0);
     let config = model_config(args.config, args.layers, max_context);
     let model_name = format!(
@@ -427,9 +498,26 @@ fn main() -> Result<()> {
                     Backend::CandleStock => continue,
                 };
                 model.set_fused_decode(fused);
-                match run_ours(&mut model, ours, context, args.steps) {
-                    Ok((ms, attention_ms)) => report.line(label, ms, Some(attention_ms)),
-                    Err(e) => report.error(label, &e.to_string()),
+                let plain_ms = match run_ours(&mut model, ours, context, args.steps) {
+                    Ok((ms, attention_ms)) => {
+                        report.line(label, ms, Some(attention_ms));
+                        ms
+                    }
+                    Err(e) => {
+                        report.error(label, &e.to_string());
+                        continue;
+                    }
+                };
+                if backend == Backend::Splitkv && args.speculate > 0 {
+                    match run_verify(&mut model, context, args.speculate, args.steps) {
+                        Ok(verify_ms) => report.speculative_line(
+                            args.speculate,
+                            args.acceptance,
+                            verify_ms,
+                            plain_ms,
+                        ),
+                        Err(e) => report.error("splitkv_speculative", &e.to_string()),
+                    }
                 }
             }
         }

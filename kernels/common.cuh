@@ -89,12 +89,17 @@ __device__ __forceinline__ QueryRow query_row(int row, int tokens) {
     return {head, row - head * tokens};
 }
 
-// The output row (b, t, h_q order) of the caller's row `row`, counted over every batch.
-__device__ __forceinline__ long long output_row(long long row, int tokens, int heads) {
-    if (tokens == 1) return row;
-    const long long bh = row / tokens, b = bh / heads;
-    const long long token = row - bh * tokens, head = bh - b * heads;
+// The output row (b, t, h_q order) of the caller's row `row`, counted over every batch. Out of
+// line: the divisions are code that one-token calls never run, and inlined in every merge they
+// would spread the code those calls do run over more instruction-cache lines.
+static __device__ __noinline__ int output_row_of_tokens(int row, int tokens, int heads) {
+    const int bh = row / tokens, b = bh / heads;
+    const int token = row - bh * tokens, head = bh - b * heads;
     return (b * tokens + token) * heads + head;
+}
+
+__device__ __forceinline__ long long output_row(int row, int tokens, int heads) {
+    return tokens == 1 ? row : output_row_of_tokens(row, tokens, heads);
 }
 
 // Query token `token` of `tokens` in a sequence of `len` positions sees positions below this:

@@ -143,6 +143,7 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
     assert_rejected(&[document, "--temperature", "-1"], "--temperature");
     assert_rejected(&[document, "--chunk-tokens", "10"], "--chunk-tokens");
     assert_rejected(&[document, "--max-new-tokens", "0"], "--max-new-tokens");
+    assert_rejected(&[document, "--speculate", "16"], "--speculate");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -172,6 +173,57 @@ fn short_document_streams_a_summary_and_a_stats_line() {
         "{stats:?}"
     );
     assert!(stats.contains("attention splitkv"), "{stats:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn speculation_keeps_the_greedy_summary() {
+    let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch_dir("speculate");
+    let document = dir.join("library.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let run = |speculate: &str| {
+        let output = summarize(&[
+            document.to_str().unwrap(),
+            "--json",
+            "--speculate",
+            speculate,
+        ]);
+        let stderr = text(&output.stderr);
+        assert!(
+            output.status.success(),
+            "--speculate {speculate}: exit {:?}: {stderr}",
+            output.status.code()
+        );
+        let report: Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|e| panic!("--speculate {speculate}: not JSON ({e})"));
+        let stats_line = stderr.lines().last().unwrap_or_default().to_string();
+        (report, stats_line)
+    };
+    let (plain, plain_line) = run("0");
+    let (speculated, speculated_line) = run("4");
+    // Greedy by default: drafting changes how many passes, not what is said.
+    assert_eq!(plain["summary"], speculated["summary"]);
+    assert!(plain["summary"].as_str().is_some_and(|s| !s.is_empty()));
+
+    let (plain, speculated) = (&plain["stats"], &speculated["stats"]);
+    assert_eq!(plain["speculate"], 0, "{plain}");
+    assert_eq!(plain["verify_passes"], 0, "{plain}");
+    assert!(!plain_line.contains("speculate"), "{plain_line:?}");
+    assert_eq!(speculated["speculate"], 4, "{speculated}");
+    let drafted = speculated["drafted_tokens"].as_u64().unwrap();
+    let accepted = speculated["accepted_tokens"].as_u64().unwrap();
+    assert!(accepted <= drafted, "{speculated}");
+    assert!(
+        speculated["verify_passes"].as_u64().unwrap() > 0,
+        "{speculated}"
+    );
+    let rate = speculated["acceptance_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&rate), "{speculated}");
+    assert!(
+        speculated_line.contains("| speculate 4, acceptance "),
+        "{speculated_line:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

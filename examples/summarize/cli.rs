@@ -45,6 +45,14 @@ pub struct Args {
     #[arg(long, default_value_t = 1.1, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
 
+    /// Speculative decoding: up to N tokens drafted per pass by looking the text so far up in
+    /// the prompt (no second model), checked in one pass of the model; at most 15. Greedy output
+    /// is the same either way. Off (0) by default: where a decode step is bound by arithmetic
+    /// rather than by reading the weights (small models on a few CPU cores), a drafted token
+    /// costs a good part of a step, more than the kept ones save.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub speculate: usize,
+
     /// The most document tokens summarized at once. Longer documents are split into chunks of at
     /// most this size (smaller still if the model's context requires it).
     #[arg(long, default_value_t = 1024)]

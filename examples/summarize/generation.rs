@@ -3,7 +3,9 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{Device, Tensor};
 use candle_splitkv::models::llama::Llama;
+use candle_splitkv::models::speculative::{PromptLookup, Sampling, SpeculativeDecoder};
 use candle_transformers::generation::LogitsProcessor;
 use tokenizers::Tokenizer;
 
@@ -21,6 +23,8 @@ pub struct SamplingSettings {
     pub seed: u64,
     /// 1 means no penalty.
     pub repeat_penalty: f32,
+    /// Tokens drafted per verification pass by prompt lookup; 0 decodes one token a pass.
+    pub speculate: usize,
 }
 
 /// Receives what happens during a generation, to draw progress or stream the text.
@@ -45,9 +49,15 @@ pub struct Generation {
 pub struct Timing {
     pub prefill_tokens: usize,
     pub prefill_secs: f64,
-    /// Forward passes of one token each.
+    /// Tokens decoded after the first (which comes from the prefill's logits), a stop token
+    /// included: without speculation, forward passes of one token each.
     pub decode_tokens: usize,
     pub decode_secs: f64,
+    /// With speculation: the target's verification passes, the tokens drafted for them and
+    /// those of the drafts kept.
+    pub verify_passes: usize,
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 impl Timing {
@@ -56,6 +66,9 @@ impl Timing {
         self.prefill_secs += other.prefill_secs;
         self.decode_tokens += other.decode_tokens;
         self.decode_secs += other.decode_secs;
+        self.verify_passes += other.verify_passes;
+        self.drafted += other.drafted;
+        self.accepted += other.accepted;
     }
 }
 
@@ -114,13 +127,23 @@ impl<'m> Generator<'m> {
             let done = self.model.cache_len();
             observer.prefilled(slice.len(), done as f64 / start.elapsed().as_secs_f64());
         }
-        let mut logits = logits.context("empty prompt")?;
+        let logits = logits.context("empty prompt")?;
         let prefill_secs = start.elapsed().as_secs_f64();
+        let prefill = Timing {
+            prefill_tokens: prompt.len(),
+            prefill_secs,
+            ..Timing::default()
+        };
+        if self.settings.speculate > 0 {
+            return self.decode_speculative(prompt, logits, max_new_tokens, observer, prefill);
+        }
 
+        let mut logits = logits;
         let SamplingSettings {
             temperature,
             seed,
             repeat_penalty,
+            ..
         } = self.settings;
         let mut sampler = LogitsProcessor::new(seed, Some(temperature), None);
         let mut stream = self.tokenizer.decode_stream(true);
@@ -164,11 +187,109 @@ impl<'m> Generator<'m> {
         Ok(Generation {
             text: text.trim().to_string(),
             timing: Timing {
-                prefill_tokens: prompt.len(),
-                prefill_secs,
                 decode_tokens,
                 decode_secs: start.elapsed().as_secs_f64(),
+                ..prefill
             },
+        })
+    }
+
+    /// The decode loop with speculation: the first token comes from the prefill's logits as in
+    /// the plain loop, then each verification pass checks the tokens that prompt lookup drafts.
+    /// Every row of logits gets the plain loop's repeat penalty before verification, so greedy
+    /// decoding emits the plain loop's tokens; the stopping rules are the plain loop's too.
+    fn decode_speculative(
+        &mut self,
+        prompt: &[u32],
+        logits: Tensor,
+        max_new_tokens: usize,
+        observer: &mut dyn GenerationObserver,
+        prefill: Timing,
+    ) -> Result<Generation> {
+        let SamplingSettings {
+            temperature,
+            seed,
+            repeat_penalty,
+            speculate,
+        } = self.settings;
+        // Plain decoding ends once the sequence fills the context.
+        let limit = max_new_tokens.min(self.model.context_length() - prompt.len());
+        let sampling = if temperature > 0.0 {
+            Sampling::Temperature(temperature)
+        } else {
+            Sampling::Greedy
+        };
+        // A stream of its own: the first token's sampler already draws from `seed`.
+        let verify_seed = seed ^ 0x9e37_79b9_7f4a_7c15;
+        let mut decoder =
+            SpeculativeDecoder::new(PromptLookup::default(), speculate, sampling, verify_seed);
+        // Candle's own penalty on each row, so that the arithmetic is the plain loop's.
+        let mut penalize = |tokens: &[u32], row: &mut [f32]| -> candle_core::Result<()> {
+            let generated = &tokens[prompt.len().min(tokens.len())..];
+            if repeat_penalty == 1.0 || generated.is_empty() {
+                return Ok(());
+            }
+            let window = &generated[generated.len().saturating_sub(REPEAT_WINDOW)..];
+            let logits = Tensor::from_slice(row, row.len(), &Device::Cpu)?;
+            let penalized =
+                candle_transformers::utils::apply_repeat_penalty(&logits, repeat_penalty, window)?;
+            row.copy_from_slice(&penalized.to_vec1::<f32>()?);
+            Ok(())
+        };
+
+        let start = Instant::now();
+        let mut stream = self.tokenizer.decode_stream(true);
+        // The prompt and the tokens generated so far.
+        let mut context = prompt.to_vec();
+        // Appends a token to the answer and streams it; returns the answer's length in tokens.
+        let mut emit = |token: u32, context: &mut Vec<u32>| -> Result<usize> {
+            context.push(token);
+            let generated = context.len() - prompt.len();
+            let piece = stream
+                .step(token)
+                .map_err(|e| anyhow!("cannot decode token {token}: {e}"))?;
+            let elapsed = start.elapsed().as_secs_f64();
+            // The plain loop's rate: the tokens decoded after the first.
+            let rate = if elapsed > 0.0 {
+                (generated - 1) as f64 / elapsed
+            } else {
+                0.0
+            };
+            observer.generated(piece.as_deref().unwrap_or(""), generated, rate)?;
+            Ok(generated)
+        };
+        let mut timing = prefill;
+        // The first token, sampled from the prefill's logits exactly as the plain loop does.
+        let first = LogitsProcessor::new(seed, Some(temperature), None).sample(&logits)?;
+        let mut done = self.stop_tokens.contains(&first) || emit(first, &mut context)? >= limit;
+        while !done {
+            let step = decoder
+                .step(
+                    self.model,
+                    &context,
+                    limit - (context.len() - prompt.len()),
+                    &mut penalize,
+                )
+                .context("decoding failed")?;
+            timing.verify_passes += 1;
+            timing.drafted += step.drafted;
+            timing.accepted += step.accepted;
+            for token in step.tokens {
+                timing.decode_tokens += 1;
+                done = self.stop_tokens.contains(&token) || emit(token, &mut context)? >= limit;
+                if done {
+                    break;
+                }
+            }
+        }
+        let text = self
+            .tokenizer
+            .decode(&context[prompt.len()..], true)
+            .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
+        timing.decode_secs = start.elapsed().as_secs_f64();
+        Ok(Generation {
+            text: text.trim().to_string(),
+            timing,
         })
     }
 }

@@ -87,6 +87,7 @@ fn run(args: &Args) -> Result<()> {
         temperature: args.temperature,
         seed: args.seed,
         repeat_penalty: args.repeat_penalty,
+        speculate: args.speculate,
     };
     let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
     let summary = Summarizer::new(
@@ -105,6 +106,7 @@ fn run(args: &Args) -> Result<()> {
             AttentionBackend::SplitKv => "splitkv",
             AttentionBackend::Naive => "naive",
         },
+        speculate: args.speculate,
         elapsed_secs: started.elapsed().as_secs_f64(),
     };
     if args.json {
@@ -129,6 +131,14 @@ fn check_options(args: &Args) -> Result<()> {
     }
     if args.max_new_tokens == 0 {
         bad_input!("--max-new-tokens must be at least 1");
+    }
+    // A verification pass holds the last token and the drafts.
+    let most_drafts = candle_splitkv::MAX_QUERY_TOKENS - 1;
+    if args.speculate > most_drafts {
+        bad_input!(
+            "--speculate must be at most {most_drafts} (0 turns it off), got {}",
+            args.speculate
+        );
     }
     if args.chunk_tokens < 64 {
         bad_input!(

@@ -9,6 +9,8 @@ pub struct RunInfo {
     pub model: String,
     pub device: String,
     pub attention: &'static str,
+    /// Tokens drafted per verification pass (0: no speculation).
+    pub speculate: usize,
     pub elapsed_secs: f64,
 }
 
@@ -20,11 +22,30 @@ fn per_second(tokens: usize, secs: f64) -> f64 {
     }
 }
 
+/// The share of drafted tokens the model kept (0 when nothing was drafted).
+fn acceptance_rate(summary: &Summary) -> f64 {
+    let t = &summary.timing;
+    if t.drafted > 0 {
+        t.accepted as f64 / t.drafted as f64
+    } else {
+        0.0
+    }
+}
+
 /// The one-line summary of the run, for stderr.
 pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     let t = &summary.timing;
+    let speculation = if info.speculate > 0 {
+        format!(
+            " | speculate {}, acceptance {:.0}%",
+            info.speculate,
+            100.0 * acceptance_rate(summary)
+        )
+    } else {
+        String::new()
+    };
     format!(
-        "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s | \
+        "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
          attention {} | device {} | {:.1} s",
         summary.document_tokens,
         summary.chunks,
@@ -53,6 +74,11 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "decode_tokens": t.decode_tokens,
             "decode_seconds": t.decode_secs,
             "decode_tokens_per_second": per_second(t.decode_tokens, t.decode_secs),
+            "speculate": info.speculate,
+            "drafted_tokens": t.drafted,
+            "accepted_tokens": t.accepted,
+            "acceptance_rate": acceptance_rate(summary),
+            "verify_passes": t.verify_passes,
             "attention": info.attention,
             "device": info.device,
             "model": info.model,

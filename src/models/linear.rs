@@ -55,6 +55,14 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// Every row in the single-row form, as a decode step multiplies it: for the few tokens of
+    /// a verification pass, whose logits should be those decoding would see.
+    pub fn forward_single_row_form(&self, x: &Tensor) -> Result<Tensor> {
+        self.single_row.forward(x)
+    }
+}
+
 impl Module for Linear {
     /// `x (…, in)` → `(…, out)`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -74,6 +74,25 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The weight form a pass multiplies its rows in (see [`Linear`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    /// The single-row form for one row, the many-row form for more (a prompt).
+    BySize,
+    /// Every row in the single-row form, and attention as one-token steps: a few tokens being
+    /// verified, computed as decoding computes them.
+    AsDecode,
+}
+
+impl Rows {
+    fn project(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Rows::BySize => linear.forward(x),
+            Rows::AsDecode => linear.forward_single_row_form(x),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct SelfAttention {
     q_proj: Linear,
@@ -93,25 +112,28 @@ impl SelfAttention {
         angles: &RopeAngles,
         attention: &CachedAttention,
         cache: &mut KvCache,
+        rows: Rows,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let q = self
-            .q_proj
-            .forward(x)?
+        let q = rows
+            .project(&self.q_proj, x)?
             .reshape((b, t, self.q_heads, self.head_dim))?;
-        let k = self
-            .k_proj
-            .forward(x)?
+        let k = rows
+            .project(&self.k_proj, x)?
             .reshape((b, t, self.kv_heads, self.head_dim))?;
-        let v = self
-            .v_proj
-            .forward(x)?
+        let v = rows
+            .project(&self.v_proj, x)?
             .reshape((b, t, self.kv_heads, self.head_dim))?;
         let q = angles.apply(&q)?;
         let k = angles.apply(&k)?;
-        let y = attention.forward(&q, &k, &v, cache)?;
-        self.o_proj
-            .forward(&y.reshape((b, t, self.q_heads * self.head_dim))?)
+        let y = match rows {
+            Rows::BySize => attention.forward(&q, &k, &v, cache)?,
+            Rows::AsDecode => attention.forward_as_steps(&q, &k, &v, cache)?,
+        };
+        rows.project(
+            &self.o_proj,
+            &y.reshape((b, t, self.q_heads * self.head_dim))?,
+        )
     }
 }
 
@@ -122,11 +144,13 @@ struct Mlp {
     down_proj: Linear,
 }
 
-impl Module for Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&self.gate_proj.forward(x)?)?;
-        self.down_proj
-            .forward(&gate.mul(&self.up_proj.forward(x)?)?)
+impl Mlp {
+    fn forward(&self, x: &Tensor, rows: Rows) -> Result<Tensor> {
+        let gate = candle_nn::ops::silu(&rows.project(&self.gate_proj, x)?)?;
+        rows.project(
+            &self.down_proj,
+            &gate.mul(&rows.project(&self.up_proj, x)?)?,
+        )
     }
 }
 
@@ -145,11 +169,14 @@ impl DecoderLayer {
         angles: &RopeAngles,
         attention: &CachedAttention,
         cache: &mut KvCache,
+        rows: Rows,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
-        let h = self.attention.forward(&h, angles, attention, cache)?;
+        let h = self.attention.forward(&h, angles, attention, cache, rows)?;
         let x = (x + h)?;
-        let h = self.mlp.forward(&self.post_attention_norm.forward(&x)?)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_norm.forward(&x)?, rows)?;
         x + h
     }
 }
@@ -366,18 +393,26 @@ impl Llama {
     /// Runs `tokens` (one sequence) after what the cache already holds, appends them to the
     /// cache, and returns the f32 logits `(vocab,)` of the last token.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.hidden_states(tokens)?;
+        let x = self.hidden_states(tokens, Rows::BySize)?;
         let last = x.narrow(1, tokens.len() - 1, 1)?;
-        self.logits(&last)?.flatten_all()
+        self.logits(&last, Rows::BySize)?.flatten_all()
     }
 
     /// Like [`Llama::forward`], returning the f32 logits `(t, vocab)` of every token: what
     /// verifying drafted tokens needs. Up to [`crate::MAX_QUERY_TOKENS`] tokens after a filled
-    /// cache run through the split-KV op, where the device runs that many (see
-    /// [`crate::SplitKvAttention`]).
+    /// cache run through the split-KV op in one pass over the cache (see
+    /// [`crate::SplitKvAttention`]). Those tokens are computed as one-token steps compute them:
+    /// the weights in the form a decode step uses (a quantized model on the CPU keeps a second
+    /// form for prompts), and on the CPU the attention split as each step would split it; so
+    /// there each row's logits are exactly those of [`Llama::forward`] one token at a time.
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
-        let x = self.hidden_states(tokens)?;
-        self.logits(&x)?.squeeze(0)
+        let rows = if tokens.len() <= crate::MAX_QUERY_TOKENS {
+            Rows::AsDecode
+        } else {
+            Rows::BySize
+        };
+        let x = self.hidden_states(tokens, rows)?;
+        self.logits(&x, rows)?.squeeze(0)
     }
 
     /// Forgets the cached positions from `len` on, e.g. rejected drafted tokens: a length
@@ -387,7 +422,7 @@ impl Llama {
     }
 
     /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache.
-    fn hidden_states(&mut self, tokens: &[u32]) -> Result<Tensor> {
+    fn hidden_states(&mut self, tokens: &[u32], rows: Rows) -> Result<Tensor> {
         if tokens.is_empty() {
             bail!("llama forward: no tokens given")
         }
@@ -415,7 +450,9 @@ impl Llama {
         let angles = self.rope.angles(&[self.cache_len()], t)?;
         for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
             x = match layer {
-                Layer::Separate(layer) => layer.forward(&x, &angles, &self.attention, cache)?,
+                Layer::Separate(layer) => {
+                    layer.forward(&x, &angles, &self.attention, cache, rows)?
+                }
                 Layer::Joined(layer) => {
                     layer.forward(&x, &angles, &self.attention, cache, self.fused_decode)?
                 }
@@ -425,9 +462,9 @@ impl Llama {
     }
 
     /// f32 logits `(1, t, vocab)` of hidden states `(1, t, hidden)`.
-    fn logits(&self, x: &Tensor) -> Result<Tensor> {
+    fn logits(&self, x: &Tensor, rows: Rows) -> Result<Tensor> {
         let logits = match &self.weights.head {
-            Head::Separate { norm, lm_head } => lm_head.forward(&norm.forward(x)?)?,
+            Head::Separate { norm, lm_head } => rows.project(lm_head, &norm.forward(x)?)?,
             Head::Joined(head) => head.forward(x, self.fused_decode)?,
         };
         logits.to_dtype(DType::F32)

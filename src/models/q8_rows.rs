@@ -76,35 +76,53 @@ impl CustomOp1 for Q8Rows {
         let x = &data[start..end];
         let blocks_per_row = self.in_features / BlockQ8_0::BLCK_SIZE;
         let rows = x.len() / self.in_features;
-        let mut out = vec![0f32; rows * self.out_features];
-        let mut x_blocks = vec![BlockQ8_0::zeros(); blocks_per_row];
-        for (x_row, out_row) in x
+        let mut x_blocks = vec![BlockQ8_0::zeros(); rows * blocks_per_row];
+        for (x_row, blocks) in x
             .chunks_exact(self.in_features)
-            .zip(out.chunks_exact_mut(self.out_features))
+            .zip(x_blocks.chunks_exact_mut(blocks_per_row))
         {
-            BlockQ8_0::from_float(x_row, &mut x_blocks);
-            let row_dot = |row: usize| {
-                let at = row * blocks_per_row;
-                let weights = &self.blocks[at..at + blocks_per_row];
-                BlockQ8_0::vec_dot(self.in_features, weights, &x_blocks)
-            };
+            BlockQ8_0::from_float(x_row, blocks);
+        }
+        // Each weight row is read once for all input rows (a few tokens being verified cost
+        // about one read of the weights), and each product is the dot a single row gets.
+        let weight_row_dots = |w_row: usize, ys: &mut [f32]| {
+            let at = w_row * blocks_per_row;
+            let weights = &self.blocks[at..at + blocks_per_row];
+            for (y, x_row) in ys.iter_mut().zip(x_blocks.chunks_exact(blocks_per_row)) {
+                *y = BlockQ8_0::vec_dot(self.in_features, weights, x_row);
+            }
+        };
+        // `(out, rows)`: one weight row's products are contiguous.
+        let mut by_weight_row = vec![0f32; rows * self.out_features];
+        if rows > 0 {
             if self.blocks.len() < PARALLEL_MIN_BLOCKS {
-                out_row
-                    .iter_mut()
+                by_weight_row
+                    .chunks_exact_mut(rows)
                     .enumerate()
-                    .for_each(|(row, y)| *y = row_dot(row));
+                    .for_each(|(w_row, ys)| weight_row_dots(w_row, ys));
             } else {
-                out_row
-                    .par_chunks_mut(ROWS_PER_TASK)
+                by_weight_row
+                    .par_chunks_mut(ROWS_PER_TASK * rows)
                     .enumerate()
                     .for_each(|(task, ys)| {
                         let first = task * ROWS_PER_TASK;
-                        ys.iter_mut()
+                        ys.chunks_exact_mut(rows)
                             .enumerate()
-                            .for_each(|(i, y)| *y = row_dot(first + i));
+                            .for_each(|(i, ys)| weight_row_dots(first + i, ys));
                     });
             }
         }
+        let out = if rows == 1 {
+            by_weight_row
+        } else {
+            let mut out = vec![0f32; rows * self.out_features];
+            for (w_row, ys) in by_weight_row.chunks_exact(rows.max(1)).enumerate() {
+                for (row, &y) in ys.iter().enumerate() {
+                    out[row * self.out_features + w_row] = y;
+                }
+            }
+            out
+        };
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
             *last = self.out_features;
@@ -134,6 +152,22 @@ mod tests {
         let scale = exact.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         assert!(err / scale < 2e-2, "relative error {}", err / scale);
         assert!(Q8Rows::quantize(&Tensor::zeros((4, 40), DType::F32, &dev)?).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn rows_together_equal_rows_one_at_a_time() -> Result<()> {
+        let dev = Device::Cpu;
+        // Large enough for the parallel path, with a last task of fewer rows.
+        for (out, rows) in [(100, 5), ((1 << 15) / 3 + 7, 3)] {
+            let w = Q8Rows::quantize(&Tensor::randn(0f32, 1.0, (out, 96), &dev)?)?;
+            let x = Tensor::randn(0f32, 1.0, (1, rows, 96), &dev)?;
+            let together = w.forward(&x)?.squeeze(0)?.to_vec2::<f32>()?;
+            for (row, got) in together.iter().enumerate() {
+                let alone = w.forward(&x.narrow(1, row, 1)?)?.flatten_all()?;
+                assert_eq!(got, &alone.to_vec1::<f32>()?, "row {row} of {out}x96");
+            }
+        }
         Ok(())
     }
 }

@@ -75,6 +75,35 @@ impl CachedAttention {
         v: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
+        self.forward_inner(q, k, v, cache, false)
+    }
+
+    /// Like [`CachedAttention::forward`], for a few tokens being verified: on the CPU, each
+    /// token's row is computed exactly as a one-token step at its position would compute it,
+    /// so that verification sees the logits decoding would.
+    ///
+    /// The op cuts the cache into splits by its length; one call over all the tokens could cut
+    /// it elsewhere than a step for an earlier token does, and round differently. So the
+    /// tokens whose own lengths get the same cut share a call over the keys up to the last of
+    /// them (masked keys weigh exactly nothing): one call, or two where a cut moves.
+    pub fn forward_as_steps(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.forward_inner(q, k, v, cache, true)
+    }
+
+    fn forward_inner(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        as_steps: bool,
+    ) -> Result<Tensor> {
         let (batch, t, q_heads, head_dim) = q.dims4().map_err(|_| {
             candle_core::Error::Msg(format!(
                 "cached attention: q must be (batch, t, q_heads, head_dim), got {:?}",
@@ -116,6 +145,14 @@ impl CachedAttention {
         if cache.is_uniform() {
             let past = cache.len();
             let (k_all, v_all) = cache.append(k, v)?;
+            if as_steps
+                && t > 1
+                && q.device().is_cpu()
+                && self.uses_split_kv(head_dim)
+                && crate::op::takes_query_tokens(t)
+            {
+                return self.split_kv_as_steps(q, &k_all, &v_all, past);
+            }
             return self.attend(q, &k_all, &v_all, past);
         }
         if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) {
@@ -143,6 +180,53 @@ impl CachedAttention {
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&outs, 0)
+    }
+
+    /// The split-KV op over q's t tokens `(b, t, h_q, d)` after `past` cached positions, in
+    /// groups of tokens that one-token steps would split the cache for alike.
+    fn split_kv_as_steps(
+        &self,
+        q: &Tensor,
+        k_all: &Tensor,
+        v_all: &Tensor,
+        past: usize,
+    ) -> Result<Tensor> {
+        let t = q.dim(1)?;
+        let q_cache = q.to_dtype(k_all.dtype())?;
+        let op = crate::op::SplitKvAttention::new(self.softmax_scale);
+        // The cut a step for token i would make: none (one split), or chunks of this length.
+        let cuts = (0..t)
+            .map(|i| {
+                let plan = op.split_plan(
+                    &q_cache.narrow(1, i, 1)?,
+                    &k_all.narrow(1, 0, past + i + 1)?,
+                )?;
+                Ok((plan.num_splits > 1).then_some(plan.chunk_size))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs = Vec::with_capacity(2);
+        let mut start = 0;
+        while start < t {
+            let end = (start..t).find(|&i| cuts[i] != cuts[start]).unwrap_or(t);
+            let len = past + end;
+            let q_group = if start == 0 && end == t {
+                q_cache.clone()
+            } else {
+                q_cache.narrow(1, start, end - start)?.contiguous()?
+            };
+            outs.push(op.forward(
+                &q_group,
+                &k_all.narrow(1, 0, len)?,
+                &v_all.narrow(1, 0, len)?,
+            )?);
+            start = end;
+        }
+        let out = if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 1)?
+        };
+        out.to_dtype(q.dtype())
     }
 
     fn uses_split_kv(&self, head_dim: usize) -> bool {

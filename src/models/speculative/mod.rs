@@ -9,6 +9,9 @@
 //! - Drafters: [`PromptLookup`] (n-gram matches in the prompt and the text so far, no second
 //!   model) and [`DraftModel`] (any smaller model that shares the tokenizer).
 //! - A rejected draft costs the target nothing but a truncation of its cache.
+//! - [`SpeculativeDecoder::step`] is one pass, for a program with its own prefill, stopping
+//!   rules and logits adjustment (a repeat penalty); [`SpeculativeDecoder::generate`] is the
+//!   whole loop.
 //!
 //! ```no_run
 //! # use candle_splitkv::models::llama::Llama;
@@ -62,6 +65,20 @@ pub struct Generated {
     pub accepted: usize,
 }
 
+/// Changes one row of the target's logits before verification, given the tokens that row's
+/// prediction follows (see [`SpeculativeDecoder::step`]).
+pub type AdjustLogits<'a> = dyn FnMut(&[u32], &mut [f32]) -> Result<()> + 'a;
+
+/// What one [`SpeculativeDecoder::step`] emitted: one verification pass of the target.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Step {
+    /// The accepted drafts, then the target's own next token: at least one token.
+    pub tokens: Vec<u32>,
+    /// Tokens drafted in this pass, and of those, kept.
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
 /// Generates with a target model and a drafter.
 pub struct SpeculativeDecoder<D: Drafter> {
     drafter: D,
@@ -97,58 +114,28 @@ impl<D: Drafter> SpeculativeDecoder<D> {
         stop: &[u32],
         mut on_token: impl FnMut(u32) -> Result<()>,
     ) -> Result<Generated> {
-        let Some((&last, head)) = prompt.split_last() else {
+        let Some((_, head)) = prompt.split_last() else {
             bail!("speculative decoding: the prompt is empty")
         };
-        if let Sampling::Temperature(t) = self.sampling {
-            if !(t > 0.0 && t.is_finite()) {
-                bail!("speculative decoding: the temperature must be positive, got {t}")
-            }
-        }
+        self.check_sampling()?;
         target.reset();
         if !head.is_empty() {
             target.forward(head)?;
         }
-        // The cache holds the context but its last token, which the next pass runs first.
         let mut context = prompt.to_vec();
-        let mut pending = last;
         let mut out = Generated::default();
-        let max_drafts = self.draft_len.min(crate::MAX_QUERY_TOKENS - 1);
+        let mut keep_logits = |_: &[u32], _: &mut [f32]| Ok(());
         while out.tokens.len() < max_new {
-            let cached = target.cache_len();
-            // Past the context length the target's pass reports the error.
-            let room = target.context_length().saturating_sub(cached + 1);
-            let n = max_drafts.min(max_new - out.tokens.len() - 1).min(room);
-            let mut draft = if n > 0 {
-                self.drafter.draft(&context, n)?
-            } else {
-                Draft::default()
-            };
-            draft.tokens.truncate(n);
-            if let Some(probs) = &mut draft.probs {
-                probs.truncate(draft.tokens.len());
-            }
-            let mut run = Vec::with_capacity(draft.tokens.len() + 1);
-            run.push(pending);
-            run.extend_from_slice(&draft.tokens);
-            let rows = target.forward_all(&run)?.to_vec2::<f32>()?;
-            let verdict = verify(
-                &draft.tokens,
-                draft.probs.as_deref(),
-                &rows,
-                self.sampling,
-                &mut self.rng,
+            let step = self.step(
+                target,
+                &context,
+                max_new - out.tokens.len(),
+                &mut keep_logits,
             )?;
             out.target_passes += 1;
-            out.drafted += draft.tokens.len();
-            out.accepted += verdict.accepted;
-            // Keep the pending token and the accepted drafts; the new token runs next pass.
-            target.truncate(cached + 1 + verdict.accepted);
-            let emitted = draft.tokens[..verdict.accepted]
-                .iter()
-                .copied()
-                .chain(std::iter::once(verdict.next));
-            for token in emitted {
+            out.drafted += step.drafted;
+            out.accepted += step.accepted;
+            for token in step.tokens {
                 context.push(token);
                 out.tokens.push(token);
                 on_token(token)?;
@@ -156,8 +143,114 @@ impl<D: Drafter> SpeculativeDecoder<D> {
                     return Ok(out);
                 }
             }
-            pending = verdict.next;
         }
         Ok(out)
+    }
+
+    /// One verification pass, for a caller that runs its own prefill and its own loop.
+    ///
+    /// `context` is the prompt and every token emitted so far. The target's cache must hold all
+    /// of it but its last token, which this pass runs first (after a prefill of the prompt but
+    /// its last token, or after the previous step). Drafts up to `draft_len` tokens (fewer near
+    /// `max_tokens`, the most this step may emit, and near the target's context length), runs
+    /// the last token and the drafts through the target in one pass, and returns the drafts it
+    /// kept followed by the target's own next token: between 1 and `max_tokens` tokens. The
+    /// cache then holds `context` and the kept drafts; the returned last token runs next step.
+    /// On an error the cache is left as it was.
+    ///
+    /// `adjust(tokens, logits)` may change each row of the target's logits before verification
+    /// (a repeat penalty, a ban on some tokens): `tokens` are those the row's prediction follows,
+    /// `context` and then the drafts before that row. Greedy verification with an adjustment
+    /// emits exactly the tokens of plain greedy decoding with the same adjustment applied at
+    /// every step, given the same logits (on the CPU, [`Llama::forward_all`] computes them bit
+    /// for bit as one-token steps do); with [`Sampling::Temperature`] the tokens are distributed
+    /// as sampling from the adjusted logits.
+    pub fn step(
+        &mut self,
+        target: &mut Llama,
+        context: &[u32],
+        max_tokens: usize,
+        adjust: &mut AdjustLogits<'_>,
+    ) -> Result<Step> {
+        let Some(&last) = context.last() else {
+            bail!("speculative decoding: the context is empty; it must end in a token to run")
+        };
+        let cached = target.cache_len();
+        if cached + 1 != context.len() {
+            bail!(
+                "speculative decoding: the target's cache holds {cached} tokens, but a context of \
+                 {} tokens needs {} (all of it but its last token)",
+                context.len(),
+                context.len() - 1
+            )
+        }
+        if max_tokens == 0 {
+            bail!("speculative decoding: a step emits at least one token, max_tokens is 0")
+        }
+        self.check_sampling()?;
+        // Past the context length the target's pass reports the error.
+        let room = target.context_length().saturating_sub(context.len());
+        let n = self
+            .draft_len
+            .min(crate::MAX_QUERY_TOKENS - 1)
+            .min(max_tokens - 1)
+            .min(room);
+        let mut draft = if n > 0 {
+            self.drafter.draft(context, n)?
+        } else {
+            Draft::default()
+        };
+        draft.tokens.truncate(n);
+        if let Some(probs) = &mut draft.probs {
+            probs.truncate(draft.tokens.len());
+        }
+        let mut run = Vec::with_capacity(draft.tokens.len() + 1);
+        run.push(last);
+        run.extend_from_slice(&draft.tokens);
+        let mut pass = || -> Result<Verdict> {
+            let mut rows = target.forward_all(&run)?.to_vec2::<f32>()?;
+            let mut seen = Vec::with_capacity(context.len() + draft.tokens.len());
+            seen.extend_from_slice(context);
+            for (i, row) in rows.iter_mut().enumerate() {
+                // Row i predicts what follows the context and the first i drafts.
+                if let Some(&draft) = i.checked_sub(1).and_then(|j| draft.tokens.get(j)) {
+                    seen.push(draft);
+                }
+                adjust(&seen, row)?;
+            }
+            verify(
+                &draft.tokens,
+                draft.probs.as_deref(),
+                &rows,
+                self.sampling,
+                &mut self.rng,
+            )
+        };
+        let verdict = match pass() {
+            Ok(verdict) => verdict,
+            Err(error) => {
+                // Leave the cache as the caller gave it, so that the step can be run again.
+                target.truncate(cached);
+                return Err(error);
+            }
+        };
+        // Keep the last token and the accepted drafts; the new token runs next step.
+        target.truncate(cached + 1 + verdict.accepted);
+        let mut tokens = draft.tokens[..verdict.accepted].to_vec();
+        tokens.push(verdict.next);
+        Ok(Step {
+            tokens,
+            drafted: draft.tokens.len(),
+            accepted: verdict.accepted,
+        })
+    }
+
+    fn check_sampling(&self) -> Result<()> {
+        if let Sampling::Temperature(t) = self.sampling {
+            if !(t > 0.0 && t.is_finite()) {
+                bail!("speculative decoding: the temperature must be positive, got {t}")
+            }
+        }
+        Ok(())
     }
 }

@@ -1,4 +1,5 @@
-//! Times the split-KV decode op against candle's own attention, one JSON line per point.
+//! Times the split-KV decode op against candle's own attention (the naive path and, on the CPU,
+//! candle-nn's flash attention), one JSON line per point.
 //!
 //! ```text
 //! cargo run --release --example bench_decode -- --device cpu
@@ -16,6 +17,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_nn::attention::AttnMask;
 use candle_splitkv::SplitKvAttention;
 use clap::{Parser, ValueEnum};
 use rayon::prelude::*;
@@ -31,8 +33,17 @@ enum Backend {
     Splitkv,
     /// candle-transformers' way: repeat_kv, matmul, softmax, matmul.
     CandleNaive,
-    /// Both.
+    /// candle-nn's CPU flash attention (`candle_nn::attention::flash_attn`), on contiguous
+    /// `(b, L, h_kv, d)` K/V; the CPU only.
+    CandleCpuFlash,
+    /// Every one the device runs.
     All,
+}
+
+impl Backend {
+    fn includes(self, one: Backend) -> bool {
+        self == Backend::All || self == one
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -229,6 +240,27 @@ fn run_splitkv(op: &SplitKvAttention, x: &Inputs) -> Result<Tensor> {
     Ok(op.forward(&x.q, &k, &v)?)
 }
 
+/// candle-nn's CPU flash attention over contiguous K/V `(b, L, h_kv, d)`: the last `t` positions
+/// attend causally, as in the op.
+fn run_cpu_flash(x: &Inputs, k_seq: &Tensor, v_seq: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_, t, _, _) = x.q.dims4()?;
+    let l = k_seq.dim(1)?;
+    let mask = if t == 1 {
+        AttnMask::None
+    } else {
+        AttnMask::causal_with_offset(l.saturating_sub(t))
+    };
+    Ok(candle_nn::attention::flash_attn::<f32>(
+        &x.q,
+        k_seq,
+        v_seq,
+        scale as f32,
+        mask,
+        None,
+        None,
+    )?)
+}
+
 /// Attention the way candle-transformers' llama does it at decode time.
 fn run_naive(x: &Inputs, hq: usize, scale: f64) -> Result<Tensor> {
     let (b, hk, l, d) = x.k_cache.dims4()?;
@@ -320,19 +352,32 @@ fn bench_cpu(args: &Args) -> Result<()> {
         let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);
         let (k, _) = x.kv_views()?;
         let splits = op.split_plan(&x.q, &k)?.num_splits;
+        // The layout candle-nn's kernel reads, copied once outside the timing.
+        let flash_kv = if args.backend.includes(Backend::CandleCpuFlash) {
+            let (k, v) = x.kv_views()?;
+            Some((k.contiguous()?, v.contiguous()?))
+        } else {
+            None
+        };
         let mut ours = Vec::new();
         let mut naive = Vec::new();
+        let mut flash = Vec::new();
         let mut ceiling = Vec::new();
         for _ in 0..args.reps {
-            if args.backend != Backend::CandleNaive {
+            if args.backend.includes(Backend::Splitkv) {
                 let t = Instant::now();
                 std::hint::black_box(run_splitkv(&op, &x)?);
                 ours.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            if args.backend != Backend::Splitkv && p.t == 1 {
+            if args.backend.includes(Backend::CandleNaive) && p.t == 1 {
                 let t = Instant::now();
                 std::hint::black_box(run_naive(&x, p.hq, scale)?);
                 naive.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            if let Some((k, v)) = &flash_kv {
+                let t = Instant::now();
+                std::hint::black_box(run_cpu_flash(&x, k, v, scale)?);
+                flash.push(t.elapsed().as_secs_f64() * 1e6);
             }
             ceiling.push(cpu_read_loop(&x)?);
         }
@@ -353,10 +398,24 @@ fn bench_cpu(args: &Args) -> Result<()> {
                 extra["speedup_vs_naive"] =
                     json!((median(naive.clone()) / us * 100.0).round() / 100.0);
             }
+            if !flash.is_empty() {
+                extra["speedup_vs_cpu_flash"] =
+                    json!((median(flash.clone()) / us * 100.0).round() / 100.0);
+            }
             report(args, &p, "cpu", "splitkv_cpu", us, extra);
         }
         if !naive.is_empty() {
             report(args, &p, "cpu", "candle_naive", median(naive), json!({}));
+        }
+        if !flash.is_empty() {
+            report(
+                args,
+                &p,
+                "cpu",
+                "candle_cpu_flash",
+                median(flash),
+                json!({}),
+            );
         }
     }
     Ok(())
@@ -410,7 +469,7 @@ mod gpu {
             for kernel in args
                 .kernels
                 .iter()
-                .filter(|_| args.backend != Backend::CandleNaive)
+                .filter(|_| args.backend.includes(Backend::Splitkv))
             {
                 let op = SplitKvAttention::new(scale as f32)
                     .with_num_splits(args.splits)
@@ -429,7 +488,7 @@ mod gpu {
                     json!({"splits": splits, "timing": how, "sets": sets}),
                 );
             }
-            if args.backend != Backend::Splitkv && p.t == 1 {
+            if args.backend.includes(Backend::CandleNaive) && p.t == 1 {
                 let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
                     run_naive(&inputs[i], p.hq, scale).map(drop)
                 })?;
@@ -464,6 +523,9 @@ fn main() -> Result<()> {
             "--qlen {t}: the op takes 1 to {} query tokens per sequence",
             candle_splitkv::MAX_QUERY_TOKENS
         );
+    }
+    if args.backend == Backend::CandleCpuFlash && args.device != "cpu" {
+        bail!("--backend candle-cpu-flash is candle-nn's CPU kernel; pass --device cpu");
     }
     if args.backend == Backend::CandleNaive && args.qlen.iter().any(|&t| t > 1) {
         bail!("--backend candle-naive times one query token; drop --qlen or pass --qlen 1");

@@ -63,6 +63,13 @@ impl Dtype {
     }
 }
 
+/// How K/V are stored, when not in q's dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum KvDtype {
+    /// e4m3 (`F8E4M3`), scale 1.
+    Fp8,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum KernelArg {
     Auto,
@@ -84,6 +91,10 @@ struct Args {
     /// Element types to run, in order.
     #[arg(long, value_enum, value_delimiter = ',')]
     dtype: Option<Vec<Dtype>>,
+    /// K/V stored in another dtype than q's (written as `kv_dtype` in each line): fp8 runs on
+    /// the CPU in this version.
+    #[arg(long, value_enum)]
+    kv_dtype: Option<KvDtype>,
     /// Batch sizes (default: the benchmark grid on CUDA, 1 on CPU).
     #[arg(long, value_delimiter = ',')]
     batch: Option<Vec<usize>>,
@@ -128,11 +139,12 @@ struct Point {
     d: usize,
     l: usize,
     dtype: DType,
+    kv_dtype: DType,
 }
 
 impl Point {
     fn kv_bytes(&self) -> usize {
-        2 * self.b * self.hk * self.l * self.d * self.dtype.size_in_bytes()
+        2 * self.b * self.hk * self.l * self.d * self.kv_dtype.size_in_bytes()
     }
     /// Bytes the op must move: K and V once, q in and out once.
     fn bytes(&self) -> usize {
@@ -143,6 +155,7 @@ impl Point {
 fn dtype_name(dtype: DType) -> &'static str {
     match dtype {
         DType::BF16 => "bfloat16",
+        DType::F8E4M3 => "float8_e4m3fn",
         DType::F16 => "float16",
         _ => "float32",
     }
@@ -199,6 +212,10 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
                         d,
                         l,
                         dtype: dtype.dtype(),
+                        kv_dtype: match args.kv_dtype {
+                            Some(KvDtype::Fp8) => DType::F8E4M3,
+                            None => dtype.dtype(),
+                        },
                     };
                     if p.kv_bytes() as f64 <= args.max_kv_gib * (1u64 << 30) as f64 {
                         out.push(p);
@@ -219,13 +236,13 @@ struct Inputs {
 
 impl Inputs {
     fn random(p: &Point, dev: &Device) -> Result<Self> {
-        let rand = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
-            Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(p.dtype)?)
+        let rand = |shape: (usize, usize, usize, usize), dtype: DType| -> Result<Tensor> {
+            Ok(Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(dtype)?)
         };
         Ok(Self {
-            q: rand((p.b, p.t, p.hq, p.d))?,
-            k_cache: rand((p.b, p.hk, p.l, p.d))?,
-            v_cache: rand((p.b, p.hk, p.l, p.d))?,
+            q: rand((p.b, p.t, p.hq, p.d), p.dtype)?,
+            k_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
+            v_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
         })
     }
 
@@ -280,6 +297,7 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
     let gbps = p.bytes() as f64 / us / 1e3;
     let mut line = json!({
         "kind": "ours", "backend": backend, "device": device, "dtype": dtype_name(p.dtype),
+        "kv_dtype": dtype_name(p.kv_dtype),
         "b": p.b, "t": p.t, "hq": p.hq, "hk": p.hk, "L": p.l, "d": p.d,
         "us": (us * 100.0).round() / 100.0, "GBps": gbps.round(),
     });
@@ -315,6 +333,14 @@ fn cpu_read_loop(x: &Inputs) -> Result<f64> {
         let candle_core::Storage::Cpu(cpu) = &*storage else {
             bail!("read loop needs a CPU tensor");
         };
+        if let Ok(bytes) = cpu.as_slice::<float8::F8E4M3>() {
+            let bytes = &bytes[layout.start_offset()..];
+            let sum = bytes
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().map(|x| u32::from(x.to_bits())).sum::<u32>())
+                .reduce(|| 0, u32::wrapping_add);
+            return Ok(sum as f32);
+        }
         let data = cpu.as_slice::<f32>()?;
         let data = &data[layout.start_offset()..];
         Ok(data.par_chunks(1 << 14).map(sum_wide).sum::<f32>())
@@ -353,7 +379,7 @@ fn bench_cpu(args: &Args) -> Result<()> {
         let (k, _) = x.kv_views()?;
         let splits = op.split_plan(&x.q, &k)?.num_splits;
         // The layout candle-nn's kernel reads, copied once outside the timing.
-        let flash_kv = if args.backend.includes(Backend::CandleCpuFlash) {
+        let flash_kv = if args.backend.includes(Backend::CandleCpuFlash) && p.kv_dtype == p.dtype {
             let (k, v) = x.kv_views()?;
             Some((k.contiguous()?, v.contiguous()?))
         } else {
@@ -369,7 +395,7 @@ fn bench_cpu(args: &Args) -> Result<()> {
                 std::hint::black_box(run_splitkv(&op, &x)?);
                 ours.push(t.elapsed().as_secs_f64() * 1e6);
             }
-            if args.backend.includes(Backend::CandleNaive) && p.t == 1 {
+            if args.backend.includes(Backend::CandleNaive) && p.t == 1 && p.kv_dtype == p.dtype {
                 let t = Instant::now();
                 std::hint::black_box(run_naive(&x, p.hq, scale)?);
                 naive.push(t.elapsed().as_secs_f64() * 1e6);
@@ -523,6 +549,9 @@ fn main() -> Result<()> {
             "--qlen {t}: the op takes 1 to {} query tokens per sequence",
             candle_splitkv::MAX_QUERY_TOKENS
         );
+    }
+    if args.kv_dtype.is_some() && args.device != "cpu" {
+        bail!("--kv-dtype fp8: fp8 K/V run on the CPU in this version; pass --device cpu");
     }
     if args.backend == Backend::CandleCpuFlash && args.device != "cpu" {
         bail!("--backend candle-cpu-flash is candle-nn's CPU kernel; pass --device cpu");

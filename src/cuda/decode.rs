@@ -31,6 +31,18 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Option<Tensor>)> {
+    if k.0.dtype() == DType::F8E4M3 {
+        bail!(
+            "split-kv attention: fp8 (f8e4m3) K/V run on the CPU in this version; on CUDA convert \
+             k and v to q's dtype first"
+        )
+    }
+    if call.v_scale != 1.0 {
+        bail!(
+            "split-kv attention: v_scale {} is not supported on CUDA in this version (only 1)",
+            call.v_scale
+        )
+    }
     match q.0.dtype() {
         DType::F16 => launch::<f16>(call, q, k, v),
         DType::BF16 => launch::<bf16>(call, q, k, v),
@@ -177,7 +189,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         kv_len: dims.kv_len as i32,
         num_splits: plan.num_splits as i32,
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
-        scale_log2: call.softmax_scale * std::f32::consts::LOG2_E,
+        scale_log2: call.softmax_scale * call.k_scale * std::f32::consts::LOG2_E,
         merge: launch.merge as i32,
         blocks_per_kv_head: blocks.blocks_per_kv_head as i32,
         padded_group: blocks.padded_group as i32,

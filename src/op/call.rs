@@ -23,6 +23,9 @@ pub enum CudaKernel {
 pub(crate) struct DecodeCall<'a> {
     pub dims: DecodeDims,
     pub softmax_scale: f32,
+    /// The real K and V are the stored values times these (fp8 caches; 1 otherwise).
+    pub k_scale: f32,
+    pub v_scale: f32,
     /// `None`: the heuristic decides; `Some(n)`: n splits, clamped to the sequence.
     pub num_splits: Option<usize>,
     /// u32 `(batch,)` lengths, checked for shape, dtype and device.

@@ -7,8 +7,10 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Device, Layout, Result};
+use float8::F8E4M3;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
+use std::sync::OnceLock;
 
 use super::call::DecodeCall;
 use super::merge::{merge_normalised, MergeState};
@@ -62,6 +64,30 @@ impl Element for bf16 {
     }
 }
 
+/// Every e4m3 bit pattern as f32, computed once: a table lookup per element keeps the widening
+/// of fp8 rows as cheap as that of the 16-bit types.
+fn e4m3_to_f32() -> &'static [f32; 256] {
+    static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|bits| F8E4M3::from_bits(bits as u8).to_f32()))
+}
+
+impl Element for F8E4M3 {
+    const ZERO: Self = F8E4M3::ZERO;
+    #[inline]
+    fn row_f32<'a>(src: &'a [F8E4M3], buf: &'a mut [f32]) -> &'a [f32] {
+        let table = e4m3_to_f32();
+        for (dst, &x) in buf.iter_mut().zip(src) {
+            *dst = table[usize::from(x.to_bits())];
+        }
+        buf
+    }
+    fn from_f32_slice(src: &[f32], dst: &mut [F8E4M3]) {
+        for (dst, &x) in dst.iter_mut().zip(src) {
+            *dst = F8E4M3::from_f32(x);
+        }
+    }
+}
+
 /// Tasks the CPU path aims for: a few per thread so that uneven chunks still balance.
 pub(crate) fn parallel_slots() -> usize {
     4 * rayon::current_num_threads()
@@ -86,33 +112,67 @@ pub(crate) fn forward(
     let plan = call.split_plan(parallel_slots(), MIN_CHUNK);
     let layouts = [q_layout, k_layout, v_layout];
     let lens = seqlens.as_deref();
-    Ok(match (q, k, v) {
-        (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
+    match (k, v) {
+        (CpuStorage::F8E4M3(k), CpuStorage::F8E4M3(v)) => {
+            decode_storage(call, lens, layouts, plan, (q, k, v))
+        }
+        _ => match (q, k, v) {
+            (CpuStorage::F32(_), CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                decode_storage(call, lens, layouts, plan, (q, k, v))
+            }
+            (CpuStorage::F16(_), CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                decode_storage(call, lens, layouts, plan, (q, k, v))
+            }
+            (CpuStorage::BF16(_), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
+                decode_storage(call, lens, layouts, plan, (q, k, v))
+            }
+            _ => bail!(
+                "split-kv attention: unsupported dtypes q {:?}, k {:?}, v {:?}; use f32, f16 or \
+                 bf16 for all three, or f8e4m3 for k and v",
+                q.dtype(),
+                k.dtype(),
+                v.dtype()
+            ),
+        },
+    }
+}
+
+/// [`decode_slices`] for q's storage, whatever its dtype, over K/V of element type `KV`.
+fn decode_storage<KV: Element>(
+    call: &DecodeCall,
+    seqlens: Option<&[u32]>,
+    layouts: [&Layout; 3],
+    plan: SplitPlan,
+    (q, k, v): (&CpuStorage, &[KV], &[KV]),
+) -> Result<(CpuStorage, Vec<f32>)> {
+    Ok(match q {
+        CpuStorage::F32(q) => {
+            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
             (CpuStorage::F32(out), lse)
         }
-        (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
+        CpuStorage::F16(q) => {
+            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
             (CpuStorage::F16(out), lse)
         }
-        (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-            let (out, lse) = decode_slices(call, lens, layouts, plan, (q, k, v));
+        CpuStorage::BF16(q) => {
+            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
             (CpuStorage::BF16(out), lse)
         }
-        _ => bail!(
-            "split-kv attention: unsupported dtype {:?}; use f32, f16 or bf16",
-            q.dtype()
+        other => bail!(
+            "split-kv attention: unsupported dtype {:?} for q; use f32, f16 or bf16",
+            other.dtype()
         ),
     })
 }
 
-/// [`decode`] over q, k and v slices of one element type laid out as `layouts` (q, k, v).
-fn decode_slices<T: Element>(
+/// [`decode`] over q slices of element type `T` and k, v slices of `KV`, laid out as `layouts`
+/// (q, k, v).
+fn decode_slices<T: Element, KV: Element>(
     call: &DecodeCall,
     seqlens: Option<&[u32]>,
     [q_layout, k_layout, v_layout]: [&Layout; 3],
     plan: SplitPlan,
-    (q, k, v): (&[T], &[T], &[T]),
+    (q, k, v): (&[T], &[KV], &[KV]),
 ) -> (Vec<T>, Vec<f32>) {
     let inputs = DecodeInputs {
         q,
@@ -124,28 +184,33 @@ fn decode_slices<T: Element>(
         seqlens,
         dims: call.dims,
         softmax_scale: call.softmax_scale,
+        k_scale: call.k_scale,
+        v_scale: call.v_scale,
     };
     decode(&inputs, plan)
 }
 
 /// One decode call's inputs, borrowed from candle's storage.
-pub(crate) struct DecodeInputs<'a, T> {
+pub(crate) struct DecodeInputs<'a, T, KV> {
     pub q: &'a [T],
     pub q_strides: RowStrides,
-    pub k: &'a [T],
+    pub k: &'a [KV],
     pub k_strides: RowStrides,
-    pub v: &'a [T],
+    pub v: &'a [KV],
     pub v_strides: RowStrides,
     /// Per-sequence lengths, each at most `dims.kv_len`; `None` means all equal `dims.kv_len`.
     pub seqlens: Option<&'a [u32]>,
     pub dims: DecodeDims,
     pub softmax_scale: f32,
+    /// The real K and V are the stored values times these.
+    pub k_scale: f32,
+    pub v_scale: f32,
 }
 
 /// Runs the op. Returns the output `(b, q_len, h_q, d)` contiguous in `T`, and the natural-log
 /// LSE `(b, h_q, q_len)` in f32.
-pub(crate) fn decode<T: Element>(
-    inputs: &DecodeInputs<'_, T>,
+pub(crate) fn decode<T: Element, KV: Element>(
+    inputs: &DecodeInputs<'_, T, KV>,
     plan: SplitPlan,
 ) -> (Vec<T>, Vec<f32>) {
     let dims = inputs.dims;
@@ -201,8 +266,8 @@ pub(crate) fn decode<T: Element>(
 }
 
 /// [`attend_chunk`] compiled for the best instruction set this CPU has.
-fn attend_chunk_best<T: Element>(
-    inputs: &DecodeInputs<'_, T>,
+fn attend_chunk_best<T: Element, KV: Element>(
+    inputs: &DecodeInputs<'_, T, KV>,
     plan: SplitPlan,
     batch: usize,
     kv_head: usize,
@@ -215,7 +280,7 @@ fn attend_chunk_best<T: Element>(
         // SAFETY: the CPU supports AVX2 and FMA, checked just above.
         return unsafe { attend_chunk_avx2(inputs, plan, batch, kv_head, split, out, lse) };
     }
-    attend_chunk::<T, Portable>(inputs, plan, batch, kv_head, split, out, lse)
+    attend_chunk::<T, KV, Portable>(inputs, plan, batch, kv_head, split, out, lse)
 }
 
 /// [`attend_chunk`] with AVX2 and FMA enabled: 8-wide fused multiply-adds in the inner loops.
@@ -224,8 +289,8 @@ fn attend_chunk_best<T: Element>(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_chunk_avx2<T: Element>(
-    inputs: &DecodeInputs<'_, T>,
+unsafe fn attend_chunk_avx2<T: Element, KV: Element>(
+    inputs: &DecodeInputs<'_, T, KV>,
     plan: SplitPlan,
     batch: usize,
     kv_head: usize,
@@ -233,15 +298,15 @@ unsafe fn attend_chunk_avx2<T: Element>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    attend_chunk::<T, Fused>(inputs, plan, batch, kv_head, split, out, lse)
+    attend_chunk::<T, KV, Fused>(inputs, plan, batch, kv_head, split, out, lse)
 }
 
 /// The partial pass of one `(batch, kv head, split)`: writes the normalised outputs (`rows × d`)
 /// and base-2 LSEs of its query rows, `q_len × group` of them, row `i · group + m` being query
 /// token `i` of the group's head `m`.
 #[inline(always)]
-fn attend_chunk<T: Element, S: InnerLoops>(
-    inputs: &DecodeInputs<'_, T>,
+fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
+    inputs: &DecodeInputs<'_, T, KV>,
     plan: SplitPlan,
     batch: usize,
     kv_head: usize,
@@ -266,10 +331,11 @@ fn attend_chunk<T: Element, S: InnerLoops>(
     // Query token i is position seq_len − q_len + i and sees the keys before and at it.
     let visible = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
 
-    // Queries pre-multiplied by scale·log2(e), so scores are already in base 2.
+    // Queries pre-multiplied by scale·log2(e) and the keys' scale, so scores come out in base 2
+    // against the real keys.
     let mut queries = vec![0f32; rows * d];
     let mut row_buf = vec![0f32; d];
-    let q_scale = inputs.softmax_scale * std::f32::consts::LOG2_E;
+    let q_scale = inputs.softmax_scale * inputs.k_scale * std::f32::consts::LOG2_E;
     for (row, query) in queries.chunks_exact_mut(d).enumerate() {
         let (token, member) = (row / group, row % group);
         let at = inputs.q_strides.row(batch, token, kv_head * group + member);
@@ -286,7 +352,7 @@ fn attend_chunk<T: Element, S: InnerLoops>(
         for t in 0..tile_len {
             let pos = tile_start + t;
             let at = inputs.k_strides.row(batch, pos, kv_head);
-            let key = T::row_f32(&inputs.k[at..at + d], &mut row_buf);
+            let key = KV::row_f32(&inputs.k[at..at + d], &mut row_buf);
             for (row, query) in queries.chunks_exact(d).enumerate() {
                 probs[row * TILE + t] = if pos < visible(row) {
                     S::dot(query, key)
@@ -311,7 +377,7 @@ fn attend_chunk<T: Element, S: InnerLoops>(
         }
         for t in 0..tile_len {
             let at = inputs.v_strides.row(batch, tile_start + t, kv_head);
-            let value = T::row_f32(&inputs.v[at..at + d], &mut row_buf);
+            let value = KV::row_f32(&inputs.v[at..at + d], &mut row_buf);
             for (row, state) in states.iter_mut().enumerate() {
                 S::axpy(probs[row * TILE + t], value, state.acc_mut());
             }
@@ -319,6 +385,10 @@ fn attend_chunk<T: Element, S: InnerLoops>(
     }
     for (state, lse) in states.into_iter().zip(lse.iter_mut()) {
         *lse = state.finish();
+    }
+    // The outputs are convex combinations of the stored values: scale them to the real ones.
+    if inputs.v_scale != 1.0 {
+        out.iter_mut().for_each(|x| *x *= inputs.v_scale);
     }
 }
 
@@ -476,6 +546,8 @@ mod tests {
             seqlens: None,
             dims,
             softmax_scale: 2.0,
+            k_scale: 1.0,
+            v_scale: 1.0,
         };
         let plan = SplitPlan {
             num_splits: 1,
@@ -483,7 +555,7 @@ mod tests {
         };
         let (mut out_a, mut lse_a) = (vec![0f32; group * d], vec![0f32; group]);
         let (mut out_b, mut lse_b) = (vec![0f32; group * d], vec![0f32; group]);
-        attend_chunk::<f32, Portable>(&inputs, plan, 0, 0, 0, &mut out_a, &mut lse_a);
+        attend_chunk::<f32, f32, Portable>(&inputs, plan, 0, 0, 0, &mut out_a, &mut lse_a);
         attend_chunk_best(&inputs, plan, 0, 0, 0, &mut out_b, &mut lse_b);
         let worst = out_a
             .iter()

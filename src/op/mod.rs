@@ -28,7 +28,9 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 ///   the last t positions of each sequence, query token i seeing the keys up to position
 ///   `len − t + i` (causal, aligned to the end of the cache); a token that sees no key gets
 ///   zeros and an LSE of −inf. The t tokens of a sequence share one pass over its K/V.
-/// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous.
+/// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous. Both in
+///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::k_scale`] and
+///   [`SplitKvAttention::v_scale`] giving the real values (the CPU in this version).
 /// - output: the shape and dtype of q.
 ///
 /// `q_heads` must be a multiple of `kv_heads` (grouped-query attention with any group size).
@@ -43,6 +45,11 @@ pub struct SplitKvAttention {
     pub seqlens_k: Option<Tensor>,
     /// The CUDA kernel family; results agree across families within the dtype's rounding.
     pub cuda_kernel: CudaKernel,
+    /// The real keys are the stored ones times `k_scale` (1 by default): for fp8 (e4m3) K/V
+    /// stored divided by a per-tensor scale.
+    pub k_scale: f32,
+    /// The real values are the stored ones times `v_scale` (1 by default).
+    pub v_scale: f32,
     lse_slot: Option<LseSlot>,
     #[cfg(feature = "test-hooks")]
     poison_outputs: bool,
@@ -56,6 +63,8 @@ impl SplitKvAttention {
             num_splits: None,
             seqlens_k: None,
             cuda_kernel: CudaKernel::Auto,
+            k_scale: 1.0,
+            v_scale: 1.0,
             lse_slot: None,
             #[cfg(feature = "test-hooks")]
             poison_outputs: false,
@@ -71,6 +80,13 @@ impl SplitKvAttention {
     /// Picks the CUDA kernel family (see [`CudaKernel`]).
     pub fn with_cuda_kernel(mut self, kernel: CudaKernel) -> Self {
         self.cuda_kernel = kernel;
+        self
+    }
+
+    /// The per-tensor scales of K and V: the real values are the stored ones times these.
+    pub fn with_kv_scales(mut self, k_scale: f32, v_scale: f32) -> Self {
+        self.k_scale = k_scale;
+        self.v_scale = v_scale;
         self
     }
 
@@ -137,9 +153,12 @@ impl SplitKvAttention {
     /// The call the backends see, for validated sizes.
     fn call(&self, dims: validate::DecodeDims) -> Result<DecodeCall<'_>> {
         validate::check_num_splits(self.num_splits)?;
+        validate::check_kv_scales(self.k_scale, self.v_scale)?;
         Ok(DecodeCall {
             dims,
             softmax_scale: self.softmax_scale,
+            k_scale: self.k_scale,
+            v_scale: self.v_scale,
             num_splits: self.num_splits,
             seqlens_k: self.seqlens_k.as_ref(),
             cuda_kernel: self.cuda_kernel,

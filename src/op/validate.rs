@@ -86,10 +86,10 @@ pub fn check_layouts(
     check_rank4("q", q_layout.dims(), "(batch, q_len, q_heads, head_dim)")?;
     check_rank4("k", k_layout.dims(), "(batch, kv_len, kv_heads, head_dim)")?;
     check_rank4("v", v_layout.dims(), "(batch, kv_len, kv_heads, head_dim)")?;
-    if q_dtype != k_dtype || q_dtype != v_dtype {
+    if k_dtype != v_dtype || (k_dtype != q_dtype && k_dtype != DType::F8E4M3) {
         bail!(
-            "split-kv attention: q, k and v must share one dtype, got q {q_dtype:?}, k {k_dtype:?}, \
-             v {v_dtype:?}"
+            "split-kv attention: k and v must share one dtype, q's or f8e4m3, got q {q_dtype:?}, \
+             k {k_dtype:?}, v {v_dtype:?}"
         )
     }
     if !matches!(q_dtype, DType::F32 | DType::F16 | DType::BF16) {
@@ -201,6 +201,17 @@ pub fn check_num_splits(num_splits: Option<usize>) -> Result<()> {
         bail!(
             "split-kv attention: num_splits must be at least 1 (or None for the heuristic), got 0"
         )
+    }
+    Ok(())
+}
+
+/// The K and V scales must be finite and positive: the stored values times their scale are the
+/// real ones.
+pub fn check_kv_scales(k_scale: f32, v_scale: f32) -> Result<()> {
+    for (name, scale) in [("k_scale", k_scale), ("v_scale", v_scale)] {
+        if !(scale.is_finite() && scale > 0.0) {
+            bail!("split-kv attention: {name} must be finite and positive, got {scale}")
+        }
     }
     Ok(())
 }

@@ -37,9 +37,11 @@ pub(crate) fn forward(
              k and v to q's dtype first"
         )
     }
-    if call.v_scale != 1.0 {
+    if call.k_scale != 1.0 || call.v_scale != 1.0 {
         bail!(
-            "split-kv attention: v_scale {} is not supported on CUDA in this version (only 1)",
+            "split-kv attention: K/V scales other than 1 (k_scale {}, v_scale {}) run on the CPU \
+             in this version",
+            call.k_scale,
             call.v_scale
         )
     }
@@ -189,7 +191,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         kv_len: dims.kv_len as i32,
         num_splits: plan.num_splits as i32,
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
-        scale_log2: call.softmax_scale * call.k_scale * std::f32::consts::LOG2_E,
+        scale_log2: call.softmax_scale * std::f32::consts::LOG2_E,
         merge: launch.merge as i32,
         blocks_per_kv_head: blocks.blocks_per_kv_head as i32,
         padded_group: blocks.padded_group as i32,

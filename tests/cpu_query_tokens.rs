@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{SplitKvAttention, MAX_QUERY_TOKENS};
-use common::{assert_close, assert_lse_close, host_f64, reference};
+use common::{assert_close, assert_lse_close, host_f64, max_abs_diff, reference};
 
 fn random(shape: (usize, usize, usize, usize), dtype: DType) -> Result<Tensor> {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)
@@ -87,11 +87,7 @@ fn one_token_is_the_last_row_of_many() -> Result<()> {
     let one = candle_splitkv::flash_decode(&last, &k, &v, 0.1)?;
     let many_last = host_f64(&many.narrow(1, t - 1, 1)?)?;
     let one = host_f64(&one)?;
-    let worst = many_last
-        .iter()
-        .zip(&one)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
+    let worst = max_abs_diff(&many_last, &one);
     assert!(
         worst < 1e-5,
         "last token differs from the one-token call by {worst}"

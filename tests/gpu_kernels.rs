@@ -7,7 +7,9 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_splitkv::{CudaKernel, SplitKvAttention};
-use common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference, Case};
+use common::{
+    assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference, Case,
+};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
@@ -182,11 +184,7 @@ fn gpu_forced_splits_agree() -> Result<()> {
             assert_lse_close(&format!("{n} splits {dtype:?}"), &lse, &want.lse, dtype)?;
             let got = host_f64(&out)?;
             let ulp = if dtype == DType::F32 { 2e-6 } else { 8e-3 };
-            let diff = got
-                .iter()
-                .zip(&one)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
+            let diff = max_abs_diff(&got, &one);
             assert!(
                 diff <= ulp,
                 "{n} splits differ from 1 split by {diff} ({dtype:?})"

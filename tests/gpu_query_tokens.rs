@@ -8,7 +8,7 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{CudaKernel, MAX_QUERY_TOKENS};
-use common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference};
+use common::{assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference};
 
 const TOKENS: [usize; 7] = [1, 2, 3, 4, 5, 8, 16];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
@@ -166,11 +166,7 @@ fn gpu_query_tokens_split_counts_agree() -> Result<()> {
             assert_close(&what, &out, &want.out, dtype)?;
             assert_lse_close(&what, &lse, &want.lse, dtype)?;
             let ulp = if dtype == DType::F32 { 2e-6 } else { 8e-3 };
-            let diff = host_f64(&out)?
-                .iter()
-                .zip(&one)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
+            let diff = max_abs_diff(&host_f64(&out)?, &one);
             assert!(diff <= ulp, "{what}: differs from one split by {diff}");
         }
     }
@@ -289,13 +285,7 @@ fn gpu_query_tokens_match_cpu_and_one_token() -> Result<()> {
     let many = poisoned(scale).forward(&q, &k, &v)?;
     let last = q.narrow(1, shape.t - 1, 1)?.contiguous()?;
     let one = poisoned(scale).forward(&last, &k, &v)?;
-    let close = |a: &[f64], b: &[f64]| {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
-    };
-    let diff = close(
+    let diff = max_abs_diff(
         &host_f64(&many.narrow(1, shape.t - 1, 1)?)?,
         &host_f64(&one)?,
     );
@@ -305,7 +295,7 @@ fn gpu_query_tokens_match_cpu_and_one_token() -> Result<()> {
         &k.to_device(&Device::Cpu)?,
         &v.to_device(&Device::Cpu)?,
     )?;
-    let diff = close(&host_f64(&many)?, &host_f64(&cpu)?);
+    let diff = max_abs_diff(&host_f64(&many)?, &host_f64(&cpu)?);
     assert!(diff < 1e-5, "GPU and CPU differ by {diff}");
     Ok(())
 }

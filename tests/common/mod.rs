@@ -159,6 +159,14 @@ pub fn tolerance(dtype: DType) -> (f64, f64) {
     }
 }
 
+/// The largest elementwise difference between two equally long results.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
 pub fn host_f64(t: &Tensor) -> Result<Vec<f64>> {
     t.to_device(&Device::Cpu)?
         .to_dtype(DType::F64)?

@@ -43,6 +43,10 @@ struct Form {
     params: String,
     kernel: String,
     dtypes: Vec<String>,
+    /// K/V storage types besides the element type (fp8 K/V under f16/bf16 queries); a form that
+    /// lists any has a `KV` template parameter, the element type itself in its plain instances.
+    #[serde(default)]
+    kv_dtypes: Vec<String>,
     #[serde(default)]
     head_dims: bool,
     #[serde(default)]
@@ -112,10 +116,12 @@ fn write_limits(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     write(&out_dir.join("limits.rs"), &code)
 }
 
-/// One compiled kernel: a form at one dtype, head dim and group bound.
+/// One compiled kernel: a form at one dtype, K/V storage type, head dim and group bound.
 struct Instance<'a> {
     form: &'a Form,
     dtype: &'a str,
+    /// The K/V storage type where it differs from `dtype`.
+    kv_dtype: Option<&'a str>,
     head_dim: Option<usize>,
     group: Option<usize>,
 }
@@ -123,6 +129,9 @@ struct Instance<'a> {
 impl Instance<'_> {
     fn symbol(&self) -> String {
         let mut s = format!("{}_{}", snake(&self.form.name), self.dtype);
+        if let Some(kv) = self.kv_dtype {
+            write!(s, "_kv_{kv}").unwrap();
+        }
         if let Some(d) = self.head_dim {
             write!(s, "_d{d}").unwrap();
         }
@@ -132,13 +141,25 @@ impl Instance<'_> {
         s
     }
 
+    /// One module per (module, dtype, K/V type), so that nvcc compiles them side by side.
     fn module(&self) -> String {
-        format!("{}_{}", self.form.module, self.dtype)
+        match self.kv_dtype {
+            Some(kv) => format!("{}_{}_kv_{kv}", self.form.module, self.dtype),
+            None => format!("{}_{}", self.form.module, self.dtype),
+        }
+    }
+
+    /// The K/V storage type as a candle `DType` variant.
+    fn kv_dtype_variant(&self) -> String {
+        self.kv_dtype.unwrap_or(self.dtype).to_uppercase()
     }
 
     /// The form's wrapper struct with this instance's template arguments.
     fn wrapper(&self) -> Result<String, String> {
         let mut args = vec![cxx_type(self.dtype)?.to_string()];
+        if !self.form.kv_dtypes.is_empty() {
+            args.push(cxx_type(self.kv_dtype.unwrap_or(self.dtype))?.to_string());
+        }
         args.extend(self.head_dim.map(|d| d.to_string()));
         args.extend(self.group.map(|g| g.to_string()));
         Ok(format!("forms::{}<{}>", self.form.name, args.join(", ")))
@@ -218,15 +239,24 @@ fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
         } else {
             form.groups.iter().copied().map(Some).collect()
         };
-        for dtype in &form.dtypes {
-            for &head_dim in &dims {
-                for &group in &groups {
-                    all.push(Instance {
-                        form,
-                        dtype,
-                        head_dim,
-                        group,
-                    });
+        let kv_dtypes = std::iter::once(None).chain(
+            form.kv_dtypes
+                .iter()
+                .filter(|kv| cap >= kv_min_compute_cap(kv))
+                .map(|kv| Some(kv.as_str())),
+        );
+        for kv_dtype in kv_dtypes {
+            for dtype in &form.dtypes {
+                for &head_dim in &dims {
+                    for &group in &groups {
+                        all.push(Instance {
+                            form,
+                            dtype,
+                            kv_dtype,
+                            head_dim,
+                            group,
+                        });
+                    }
                 }
             }
         }
@@ -234,10 +264,13 @@ fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
     all
 }
 
-/// The template parameters of a form's wrapper: the element type, then the head dim and the
-/// group bound where the form has them.
+/// The template parameters of a form's wrapper: the element type, the K/V storage type, the
+/// head dim and the group bound, each where the form has it.
 fn wrapper_params(form: &Form) -> String {
     let mut params = vec!["typename T"];
+    if !form.kv_dtypes.is_empty() {
+        params.push("typename KV");
+    }
     if form.head_dims {
         params.push("int D");
     }
@@ -525,11 +558,12 @@ fn rust_table(
         writeln!(
             code,
             "    KernelSpec {{ form: KernelForm::{form}, dtype: candle_core::DType::{dtype}, \
-             head_dim: {d}, group: {g}, symbol: \"{sym}\", module: \"{module}\", \
-             ptx: PTX_{upper}, threads: {threads}, smem_bytes: {smem}, \
+             kv_dtype: candle_core::DType::{kv}, head_dim: {d}, group: {g}, symbol: \"{sym}\", \
+             module: \"{module}\", ptx: PTX_{upper}, threads: {threads}, smem_bytes: {smem}, \
              cluster_smem_bytes: {cluster} }},",
             form = inst.form.name,
             dtype = inst.dtype.to_uppercase(),
+            kv = inst.kv_dtype_variant(),
             d = inst.head_dim.unwrap_or(0),
             g = inst.group.unwrap_or(0),
             module = inst.module(),
@@ -680,12 +714,22 @@ fn cxx_type(dtype: &str) -> Result<&'static str, String> {
         "f32" => "float",
         "f16" => "__half",
         "bf16" => "__nv_bfloat16",
+        "f8e4m3" => "__nv_fp8_e4m3",
         other => {
             return Err(format!(
-                "{SPEC}: unknown dtype {other:?}; use f32, f16 or bf16"
+                "{SPEC}: unknown dtype {other:?}; use f32, f16, bf16 or f8e4m3"
             ))
         }
     })
+}
+
+/// The oldest target that converts a K/V storage type in hardware: e4m3 pairs widen to f16 pairs
+/// in one instruction from sm_89 on.
+fn kv_min_compute_cap(kv_dtype: &str) -> u32 {
+    match kv_dtype {
+        "f8e4m3" => 89,
+        _ => MIN_COMPUTE_CAP,
+    }
 }
 
 /// `TensorCoreLastCta` → `tensor_core_last_cta`.

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 // The partial pass's launch parameters; build.rs generates their Rust twin and checks its layout.
@@ -23,7 +24,8 @@ struct DecodeParams {
     long long v_batch_stride, v_seq_stride, v_head_stride;
     int batch, q_heads, kv_heads, kv_len;
     int num_splits, chunk_size;
-    float scale_log2;       // softmax_scale * log2(e)
+    float scale_log2;       // softmax_scale * k_scale * log2(e): real keys are stored ones × k_scale
+    float v_scale;          // real values are stored ones × v_scale
     int merge;              // how the splits of each (b, kv head) are merged: SplitMerge
     int blocks_per_kv_head; // kv heads here are blocks of query heads; K/V head = kv_head / this
     int padded_group;       // query heads per K/V head as numbered here (see real_row)

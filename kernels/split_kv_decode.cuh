@@ -258,7 +258,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
             float* slot = merge + (warp * GMAX + g) * merge_slot_floats<D>();
             if (active) {
 #pragma unroll
-                for (int j = 0; j < 8; ++j) slot[chunk * 8 + j] = acc[g][j];
+                for (int j = 0; j < 8; ++j) slot[chunk * 8 + j] = acc[g][j] * p.v_scale;
             }
             if (lane == 0) {
                 slot[D] = run_max[g];

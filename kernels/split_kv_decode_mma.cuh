@@ -16,6 +16,17 @@
 // The score accumulator's layout is the A-operand layout of the second product, so P never
 // leaves registers. Softmax statistics stay per thread (two heads each) and are combined across
 // the four lanes of a quad once per tile (max) or once per chunk (sum).
+//
+// fp8 (e4m3) K/V stream as bytes, half those of f16/bf16 per position, and widen to f16 pairs in
+// registers (sm_89 and later); the products then run on f16 operands. The byte layout decides
+// which elements a lane's fragments hold, so two index permutations stand in for a transpose:
+//   - keys: an `ldmatrix` row of 16 bytes is one k-step (16 dims), and a lane holds dims
+//     4c..4c+3 of its key; the query fragment takes the same dims in the same order (k-step
+//     columns 2c, 2c+1 ← dims 4c, 4c+1 and 2c+8, 2c+9 ← 4c+2, 4c+3), which leaves the dot
+//     products as they were;
+//   - values: `ldmatrix.trans` moves byte pairs, so a lane holds dims 2r, 2r+1 of keys 2c and
+//     2c+1; a byte permute splits them into the B fragments of two n-tiles, the even and the odd
+//     dims of the 16, and the accumulator's columns are put back in order when it is stored.
 #pragma once
 
 #include "cluster_merge.cuh"
@@ -26,21 +37,23 @@
 // Bytes of K+V ring per warp: three 8 KiB stages at D = 128 (16 rows) and D = 64 (32 rows).
 constexpr int kMmaRingBytesPerWarp = 26 * 1024;
 
-template <int D, int GMAX> struct MmaTiling {
-    // Rows per tile: 16 (one m16n8k16 k-step of the value product), or 32 where a row is at most
-    // 128 bytes, so that a tile still carries 8 KiB of K+V and the loop's fixed work per tile
-    // (ring wait, copy issue, max shuffles, rescale) is paid per as many bytes as at D = 128.
-    static constexpr int kRows = D * 2 <= 128 ? 32 : 16;
+// KV: the K/V storage type, 16-bit or fp8.
+template <typename KV, int D, int GMAX> struct MmaTiling {
+    static constexpr int kRowBytes = D * (int)sizeof(KV);
+    // Rows per tile: 16 (one m16n8k16 k-step of the value product), or 32 or 64 where a row is
+    // at most 128 or 64 bytes, so that a tile still carries 8 KiB of K+V and the loop's fixed
+    // work per tile (ring wait, copy issue, max shuffles, rescale) is paid per as many bytes as
+    // at D = 128.
+    static constexpr int kRows = kRowBytes <= 64 ? 64 : (kRowBytes <= 128 ? 32 : 16);
     static constexpr int kRowBlocks = kRows / 16;
     // Rows stay dense, so that every eight lanes' 16-byte async copies fill one aligned 128-byte
     // line of shared memory (a copy that straddles two lines costs twice). The eight rows an
     // `ldmatrix` phase reads must then sit in distinct banks: a row moves the bank by PIECES
     // (mod 8) pieces, so rows repeat the bank pattern every kRowsPerCycle and each such run XORs
     // its pieces with a different value below kPieceGroup (see piece_offset).
-    static constexpr int kPieces = D * 2 / 16;
+    static constexpr int kPieces = kRowBytes / 16;
     static constexpr int kPieceGroup = kPieces % 8 == 0 ? 8 : (kPieces % 4 == 0 ? 4 : (kPieces % 2 == 0 ? 2 : 1));
     static constexpr int kRowsPerCycle = 8 / kPieceGroup;
-    static constexpr int kRowBytes = D * 2;
     static constexpr int kStageBytes = 2 * kRows * kRowBytes;
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     // At least three, so that two tiles are in flight while one is computed; at D = 256 that is
@@ -94,6 +107,27 @@ template <> struct TensorCore<__half> {
     }
 };
 
+// c += a · b as above, with a and b f16 and the product f32, whatever T is: for fp8 K/V, whose
+// elements widen to f16.
+template <typename T, bool FP8> struct ProductType { using type = T; };
+template <typename T> struct ProductType<T, true> { using type = __half; };
+
+// Two e4m3 values, the low and high byte of `pair`, as an f16 pair (one instruction on sm_89+).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+    uint32_t out;
+    const uint16_t bits = static_cast<uint16_t>(pair);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(bits));
+    return out;
+}
+
+// Two query elements as an f16 pair, saturated to f16's range, for products with fp8 K.
+template <typename T> __device__ __forceinline__ uint32_t to_f16x2(const T* x) {
+    const float lo = fminf(fmaxf(to_float(x[0]), -65504.f), 65504.f);
+    const float hi = fminf(fmaxf(to_float(x[1]), -65504.f), 65504.f);
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // Four 8×8 b16 matrices from shared memory; lanes 8i..8i+7 address the rows of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
     const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -109,6 +143,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                  : "r"(a));
 }
 
+// Two matrices; lanes 0-7 and 8-15 address their rows.
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], const void* smem) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+}
+
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -121,16 +170,16 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // The ring slot of 16-byte piece `piece` of row `row`: XOR-ing with a value below kPieceGroup
 // keeps each piece within its row (kPieces is a multiple of kPieceGroup) and is its own inverse.
-template <int D, int GMAX>
+template <typename KV, int D, int GMAX>
 __device__ __forceinline__ int piece_slot(int row, int piece) {
-    using Cfg = MmaTiling<D, GMAX>;
+    using Cfg = MmaTiling<KV, D, GMAX>;
     return piece ^ ((row / Cfg::kRowsPerCycle) & (Cfg::kPieceGroup - 1));
 }
 
 // Byte offset of 16-byte piece `piece` of row `row` within a K or V tile.
-template <int D, int GMAX>
+template <typename KV, int D, int GMAX>
 __device__ __forceinline__ int piece_offset(int row, int piece) {
-    return row * MmaTiling<D, GMAX>::kRowBytes + piece_slot<D, GMAX>(row, piece) * 16;
+    return row * MmaTiling<KV, D, GMAX>::kRowBytes + piece_slot<KV, D, GMAX>(row, piece) * 16;
 }
 
 // One work item: a (split, kv head, batch) and the part of its chunk that exists. A "kv head"
@@ -146,7 +195,7 @@ struct MmaItem {
 };
 
 // Item `index` counts splits fastest, then kv heads, then batches, like the one-item grid.
-template <typename T, int ROWS, bool PERSISTENT>
+template <typename KV, int ROWS, bool PERSISTENT>
 __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, int warp) {
     MmaItem it;
     if constexpr (PERSISTENT) {
@@ -169,9 +218,9 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
     const int kv_source = it.kv_head / p.blocks_per_kv_head;  // the K/V head this block reads
-    it.k = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + it.b * p.k_batch_stride +
+    it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + it.b * p.k_batch_stride +
                                          kv_source * p.k_head_stride);
-    it.v = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + it.b * p.v_batch_stride +
+    it.v = reinterpret_cast<const char*>(static_cast<const KV*>(p.v) + it.b * p.v_batch_stride +
                                          kv_source * p.v_head_stride);
     return it;
 }
@@ -186,12 +235,16 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
 // LOCKSTEP (one item per CTA only, sm_90): the blocks of query heads that read one K/V head (wide
 // groups) run as a cluster along y, and its CTAs hold each other within `p.lockstep_tiles`
 // tiles, so that the first to stream a tile leaves it in L2 for the others.
-template <typename T, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE, bool LOCKSTEP>
+// KV: the K/V storage type, T or fp8 (e4m3).
+template <typename T, typename KV, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE,
+          bool LOCKSTEP>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
-    using Cfg = MmaTiling<D, GMAX>;
-    using TC = TensorCore<T>;
+    constexpr bool FP8 = sizeof(KV) == 1;
+    static_assert(FP8 || sizeof(KV) == sizeof(T), "K/V are T or fp8");
+    using Cfg = MmaTiling<KV, D, GMAX>;
+    using TC = TensorCore<typename ProductType<T, FP8>::type>;
     constexpr int ROWS = Cfg::kRows;
     constexpr int RB = Cfg::kRowBlocks;  // 16-row blocks per tile
     constexpr int ROW_BYTES = Cfg::kRowBytes;
@@ -200,7 +253,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // Two score accumulators per row block past four k-steps; not at D = 256, which already spills.
     constexpr bool SPLIT_CHAINS = KSTEPS > 4 && D <= 128;
     constexpr int NTILES = D / 8;          // n-tiles of the value product
-    constexpr int PIECES = D * 2 / 16;     // 16-byte pieces per row
+    constexpr int PIECES = Cfg::kPieces;   // 16-byte pieces per row
     constexpr bool kUpper = GMAX > 8;      // heads 8..15 (the fragments' upper rows) exist
     constexpr int SMEM = PERSISTENT ? Cfg::kPersistentSmemBytes : Cfg::kSmemBytes;
 
@@ -235,7 +288,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     wait_for_prerequisite_grid();
 
     unsigned char* ring = smem + warp * STAGES * Cfg::kStageBytes;
-    const long long k_row_bytes = p.k_seq_stride * 2, v_row_bytes = p.v_seq_stride * 2;
+    const long long k_row_bytes = p.k_seq_stride * (long long)sizeof(KV);
+    const long long v_row_bytes = p.v_seq_stride * (long long)sizeof(KV);
 
     // Where a row's pieces divide a warp evenly, each lane copies the same pieces of every tile:
     // rows lane_row + j * LANE_ROWS, piece lane_piece. Their source offsets within a tile and
@@ -249,7 +303,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     int lane_dst[PER_LANE];
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j)
-        lane_dst[j] = piece_offset<D, GMAX>(lane_row + j * LANE_ROWS, lane_piece);
+        lane_dst[j] = piece_offset<KV, D, GMAX>(lane_row + j * LANE_ROWS, lane_piece);
     const long long k_lane = lane_row * k_row_bytes + lane_piece * 16;
     const long long v_lane = lane_row * v_row_bytes + lane_piece * 16;
 
@@ -280,10 +334,10 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             // slots instead.
             constexpr bool kLanesOnPieces = Cfg::kPieceGroup == 8;
             const int r = i / PIECES, at = i - r * PIECES;
-            const int c = kLanesOnPieces ? at : piece_slot<D, GMAX>(r, at);
+            const int c = kLanesOnPieces ? at : piece_slot<KV, D, GMAX>(r, at);
             const bool valid = first + r < it.end;
             const long long pos = valid ? first + r : it.start;  // never past the end
-            const int dst = kLanesOnPieces ? piece_offset<D, GMAX>(r, c) : i * 16;
+            const int dst = kLanesOnPieces ? piece_offset<KV, D, GMAX>(r, c) : i * 16;
             cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
             cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
         }
@@ -309,15 +363,19 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         row_end[1] = it.end;
         if constexpr (kUpper) hi = head_row(quad_row + 8, row_end[1]);
         auto q_pair = [](const T* row, int col) -> uint32_t {
-            return row == nullptr ? 0u : *reinterpret_cast<const uint32_t*>(row + col);
+            if (row == nullptr) return 0u;
+            if constexpr (FP8) return to_f16x2(row + col);
+            return *reinterpret_cast<const uint32_t*>(row + col);
         };
+        // fp8 K: the k-step's columns in the order a lane holds its key's dims (see the top).
+        constexpr int kLaneCols = FP8 ? 4 : 2, kUpperCols = FP8 ? 2 : 8;
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            const int col = ks * 16 + quad_col * 2;
+            const int col = ks * 16 + quad_col * kLaneCols;
             q_frag[ks][0] = q_pair(lo, col);
             q_frag[ks][1] = q_pair(hi, col);
-            q_frag[ks][2] = q_pair(lo, col + 8);
-            q_frag[ks][3] = q_pair(hi, col + 8);
+            q_frag[ks][2] = q_pair(lo, col + kUpperCols);
+            q_frag[ks][3] = q_pair(hi, col + kUpperCols);
         }
     };
 
@@ -325,7 +383,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // loop consumes them, STAGES - 1 tiles ahead, skipping items where the warp has none.
     int load_index = first_item, load_n = 0, issued = 0;
     MmaItem load_item{};
-    if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+    if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT>(p, load_index, warp);
     const MmaItem first = load_item;
     // The first item's query before its K/V: issued behind the ring's copies, these few loads
     // would queue behind them and hold up the first tile's product.
@@ -339,7 +397,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             while (load_index < items && load_n >= load_item.my_tiles) {
                 load_index += item_stride;
                 load_n = 0;
-                if (load_index < items) load_item = mma_item<T, ROWS, PERSISTENT>(p, load_index, warp);
+                if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT>(p, load_index, warp);
             }
         }
     };
@@ -377,7 +435,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     }
     for (int index = first_item; index < items; index += item_stride) {
         const MmaItem it =
-            index == first_item ? first : mma_item<T, ROWS, PERSISTENT>(p, index, warp);
+            index == first_item ? first : mma_item<KV, ROWS, PERSISTENT>(p, index, warp);
 
         if (index != first_item) load_q(it);
 
@@ -417,14 +475,45 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                 for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
                     for (int j = 0; j < 4; ++j) s[rb][nt][j] = s_odd[rb][nt][j] = 0.f;
+                if constexpr (FP8) {
+                    // A 16-byte piece is a k-step: one ldmatrix.x4 holds two k-steps of both
+                    // 8-row n-tiles, (rows 0-7, ks), (rows 0-7, ks + 1), (rows 8-15, ks), ...
 #pragma unroll
-                for (int ks = 0; ks < KSTEPS; ++ks) {
-                    uint32_t kf[4];
-                    ldmatrix_x4(kf, stage + piece_offset<D, GMAX>(rb * 16 + k_lane_row,
-                                                                 ks * 2 + k_lane_piece));
-                    float (&chain)[2][4] = SPLIT_CHAINS && ks % 2 == 1 ? s_odd[rb] : s[rb];
-                    TC::mma(chain[0], q_frag[ks], kf[0], kf[1]);
-                    TC::mma(chain[1], q_frag[ks], kf[2], kf[3]);
+                    for (int ks = 0; ks < KSTEPS; ks += 2) {
+                        if (ks + 1 < KSTEPS) {
+                            uint32_t kf[4];
+                            ldmatrix_x4(kf, stage + piece_offset<KV, D, GMAX>(rb * 16 + k_lane_row,
+                                                                             ks + k_lane_piece));
+#pragma unroll
+                            for (int step = 0; step < 2; ++step) {
+                                float (&chain)[2][4] =
+                                    SPLIT_CHAINS && step == 1 ? s_odd[rb] : s[rb];
+#pragma unroll
+                                for (int nt = 0; nt < 2; ++nt) {
+                                    const uint32_t x = kf[nt * 2 + step];
+                                    TC::mma(chain[nt], q_frag[ks + step], e4m3x2_to_f16x2(x),
+                                            e4m3x2_to_f16x2(x >> 16));
+                                }
+                            }
+                        } else {  // an odd last k-step (D = 80)
+                            uint32_t kf[2];
+                            ldmatrix_x2(kf, stage + piece_offset<KV, D, GMAX>(rb * 16 + (lane & 15), ks));
+#pragma unroll
+                            for (int nt = 0; nt < 2; ++nt)
+                                TC::mma(s[rb][nt], q_frag[ks], e4m3x2_to_f16x2(kf[nt]),
+                                        e4m3x2_to_f16x2(kf[nt] >> 16));
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int ks = 0; ks < KSTEPS; ++ks) {
+                        uint32_t kf[4];
+                        ldmatrix_x4(kf, stage + piece_offset<KV, D, GMAX>(rb * 16 + k_lane_row,
+                                                                         ks * 2 + k_lane_piece));
+                        float (&chain)[2][4] = SPLIT_CHAINS && ks % 2 == 1 ? s_odd[rb] : s[rb];
+                        TC::mma(chain[0], q_frag[ks], kf[0], kf[1]);
+                        TC::mma(chain[1], q_frag[ks], kf[2], kf[3]);
+                    }
                 }
                 if constexpr (SPLIT_CHAINS)
 #pragma unroll
@@ -500,16 +589,45 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             }
 
 #pragma unroll
-            for (int rb = 0; rb < RB; ++rb)
+            for (int rb = 0; rb < RB; ++rb) {
+                if constexpr (FP8) {
+                    // A piece is 16 dims: its byte pairs (dims 2r, 2r+1 of keys 2c, 2c+1) split
+                    // into n-tile 2·piece (even dims) and 2·piece + 1 (odd dims).
+                    auto piece_product = [&](int piece, uint32_t rows_lo, uint32_t rows_hi) {
+                        const uint32_t lo = __byte_perm(rows_lo, 0, 0x3120);
+                        const uint32_t hi = __byte_perm(rows_hi, 0, 0x3120);
+                        TC::mma(acc[2 * piece], p_frag[rb], e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(hi));
+                        TC::mma(acc[2 * piece + 1], p_frag[rb], e4m3x2_to_f16x2(lo >> 16),
+                                e4m3x2_to_f16x2(hi >> 16));
+                    };
 #pragma unroll
-                for (int pair = 0; pair < NTILES / 2; ++pair) {
-                    uint32_t vf[4];
-                    ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
-                                              piece_offset<D, GMAX>(rb * 16 + v_lane_row,
-                                                                    pair * 2 + v_lane_piece));
-                    TC::mma(acc[2 * pair], p_frag[rb], vf[0], vf[1]);
-                    TC::mma(acc[2 * pair + 1], p_frag[rb], vf[2], vf[3]);
+                    for (int piece = 0; piece + 1 < PIECES; piece += 2) {
+                        uint32_t vf[4];  // (rows 0-7, piece), (rows 8-15, piece), then piece + 1
+                        ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
+                                                  piece_offset<KV, D, GMAX>(rb * 16 + v_lane_row,
+                                                                            piece + v_lane_piece));
+                        piece_product(piece, vf[0], vf[1]);
+                        piece_product(piece + 1, vf[2], vf[3]);
+                    }
+                    if constexpr (PIECES % 2 == 1) {  // D = 80
+                        uint32_t vf[2];
+                        ldmatrix_x2_trans(vf, stage + ROWS * ROW_BYTES +
+                                                  piece_offset<KV, D, GMAX>(rb * 16 + (lane & 15),
+                                                                            PIECES - 1));
+                        piece_product(PIECES - 1, vf[0], vf[1]);
+                    }
+                } else {
+#pragma unroll
+                    for (int pair = 0; pair < NTILES / 2; ++pair) {
+                        uint32_t vf[4];
+                        ldmatrix_x4_trans(vf, stage + ROWS * ROW_BYTES +
+                                                  piece_offset<KV, D, GMAX>(rb * 16 + v_lane_row,
+                                                                            pair * 2 + v_lane_piece));
+                        TC::mma(acc[2 * pair], p_frag[rb], vf[0], vf[1]);
+                        TC::mma(acc[2 * pair + 1], p_frag[rb], vf[2], vf[3]);
+                    }
                 }
+            }
         }
 
         if (LOCKSTEP && arrived) cluster_wait();  // no arrival left pending at exit
@@ -528,10 +646,24 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const float sum = quad_sum(run_sum[h]);
             if (head < group) {
                 float* slot = merge + (warp * GMAX + head) * SLOT;
+                // The values' scale is linear, so it applies once here.
+                const float vs = p.v_scale;
+                if constexpr (FP8) {
+                    // n-tiles 2c and 2c + 1 hold the even and odd dims of dims 16c..16c+15.
 #pragma unroll
-                for (int nt = 0; nt < NTILES; ++nt)
-                    *reinterpret_cast<float2*>(slot + nt * 8 + quad_col * 2) =
-                        make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    for (int c = 0; c < NTILES / 2; ++c) {
+                        float* at = slot + c * 16 + quad_col * 4;
+                        *reinterpret_cast<float2*>(at) =
+                            make_float2(acc[2 * c][2 * h] * vs, acc[2 * c + 1][2 * h] * vs);
+                        *reinterpret_cast<float2*>(at + 2) = make_float2(
+                            acc[2 * c][2 * h + 1] * vs, acc[2 * c + 1][2 * h + 1] * vs);
+                    }
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < NTILES; ++nt)
+                        *reinterpret_cast<float2*>(slot + nt * 8 + quad_col * 2) =
+                            make_float2(acc[nt][2 * h] * vs, acc[nt][2 * h + 1] * vs);
+                }
                 if (quad_col == 0) {
                     slot[D] = run_max[h];
                     slot[D + 1] = sum;

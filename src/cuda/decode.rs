@@ -6,6 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaDType;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use cudarc::driver::{DeviceRepr, LaunchConfig};
+use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::kernels::{CombineParams, DecodeParams, KernelForm, SplitMerge};
@@ -18,9 +19,14 @@ use crate::op::call::DecodeCall;
 use crate::op::plan::{SplitPlan, MAX_SPLITS};
 use crate::op::validate::RowStrides;
 
-/// The split plan the CUDA path would use for this call.
-pub(crate) fn split_plan(call: &DecodeCall, dev: &CudaDevice, dtype: DType) -> Result<SplitPlan> {
-    Ok(prepare(call, dev, dtype, &query_blocks(call.dims))?.1)
+/// The split plan the CUDA path would use for this call, for `dtype` queries and K/V stored as
+/// `kv_dtype`.
+pub(crate) fn split_plan(
+    call: &DecodeCall,
+    dev: &CudaDevice,
+    dtypes: (DType, DType),
+) -> Result<SplitPlan> {
+    Ok(prepare(call, dev, dtypes, &query_blocks(call.dims))?.1)
 }
 
 /// Runs a validated call: the output, and the natural-log LSE `(b, h_q, t)` where the call asked
@@ -31,27 +37,16 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Option<Tensor>)> {
-    if k.0.dtype() == DType::F8E4M3 {
-        bail!(
-            "split-kv attention: fp8 (f8e4m3) K/V run on the CPU in this version; on CUDA convert \
-             k and v to q's dtype first"
-        )
-    }
-    if call.k_scale != 1.0 || call.v_scale != 1.0 {
-        bail!(
-            "split-kv attention: K/V scales other than 1 (k_scale {}, v_scale {}) run on the CPU \
-             in this version",
-            call.k_scale,
-            call.v_scale
-        )
-    }
-    match q.0.dtype() {
-        DType::F16 => launch::<f16>(call, q, k, v),
-        DType::BF16 => launch::<bf16>(call, q, k, v),
-        DType::F32 => launch::<f32>(call, q, k, v),
-        other => {
-            bail!("split-kv attention: dtype {other:?} is not supported; use f32, f16 or bf16")
-        }
+    match (q.0.dtype(), k.0.dtype()) {
+        (DType::F16, DType::F16) => launch::<f16, f16>(call, q, k, v),
+        (DType::BF16, DType::BF16) => launch::<bf16, bf16>(call, q, k, v),
+        (DType::F32, DType::F32) => launch::<f32, f32>(call, q, k, v),
+        (DType::F16, DType::F8E4M3) => launch::<f16, F8E4M3>(call, q, k, v),
+        (DType::BF16, DType::F8E4M3) => launch::<bf16, F8E4M3>(call, q, k, v),
+        (q_dtype, k_dtype) => bail!(
+            "split-kv attention: q {q_dtype:?} with K/V {k_dtype:?} is not supported on CUDA; \
+             use f32, f16 or bf16 throughout, or f16/bf16 q with f8e4m3 K/V"
+        ),
     }
 }
 
@@ -99,22 +94,23 @@ fn seqlens_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
     }
 }
 
-fn launch<T: CudaDType + DeviceRepr>(
+/// T: the query and output type; KV: how K and V are stored (T, or fp8).
+fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
     call: &DecodeCall,
     (q, q_layout): (&CudaStorage, &Layout),
     (k, k_layout): (&CudaStorage, &Layout),
     (v, v_layout): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Option<Tensor>)> {
     let dev = q.device().clone();
-    let elem_bytes = std::mem::size_of::<T>();
+    let (elem_bytes, kv_bytes) = (std::mem::size_of::<T>(), std::mem::size_of::<KV>());
     let (q_strides, k_strides, v_strides) = (
         RowStrides::of(q_layout),
         RowStrides::of(k_layout),
         RowStrides::of(v_layout),
     );
     check_alignment("q", &q_strides, q_layout.dims(), elem_bytes)?;
-    check_alignment("k", &k_strides, k_layout.dims(), elem_bytes)?;
-    check_alignment("v", &v_strides, v_layout.dims(), elem_bytes)?;
+    check_alignment("k", &k_strides, k_layout.dims(), kv_bytes)?;
+    check_alignment("v", &v_strides, v_layout.dims(), kv_bytes)?;
     if call.dims.kv_len > i32::MAX as usize {
         bail!(
             "split-kv attention: kv_len {} exceeds {}",
@@ -128,7 +124,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     let blocks = query_blocks(call.dims);
     let dims = blocks.dims;
 
-    let (kernel, plan) = prepare(call, &dev, q.dtype(), &blocks)?;
+    let (kernel, plan) = prepare(call, &dev, (q.dtype(), k.dtype()), &blocks)?;
     debug_assert!(plan.num_splits <= MAX_SPLITS);
     let launch = planner::launch(&dev, &kernel, &blocks, plan)?;
     let merges_through_memory = plan.num_splits > 1 && launch.merge != SplitMerge::InCluster;
@@ -168,8 +164,8 @@ fn launch<T: CudaDType + DeviceRepr>(
 
     let params = DecodeParams {
         q: device_ptr(q.as_cuda_slice::<T>()?, &dev, q_strides.offset),
-        k: device_ptr(k.as_cuda_slice::<T>()?, &dev, k_strides.offset),
-        v: device_ptr(v.as_cuda_slice::<T>()?, &dev, v_strides.offset),
+        k: device_ptr(k.as_cuda_slice::<KV>()?, &dev, k_strides.offset),
+        v: device_ptr(v.as_cuda_slice::<KV>()?, &dev, v_strides.offset),
         out: device_ptr(&out, &dev, 0),
         lse_out: lse_ptr,
         partial_out: partial_out_ptr,
@@ -191,7 +187,8 @@ fn launch<T: CudaDType + DeviceRepr>(
         kv_len: dims.kv_len as i32,
         num_splits: plan.num_splits as i32,
         chunk_size: plan.chunk_size.min(i32::MAX as usize) as i32,
-        scale_log2: call.softmax_scale * std::f32::consts::LOG2_E,
+        scale_log2: call.softmax_scale * call.k_scale * std::f32::consts::LOG2_E,
+        v_scale: call.v_scale,
         merge: launch.merge as i32,
         blocks_per_kv_head: blocks.blocks_per_kv_head as i32,
         padded_group: blocks.padded_group as i32,
@@ -207,7 +204,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     unsafe { launch_dependent(&launch.func, &dev, launch.cfg, launch.cluster, &params)? };
 
     if merges_through_memory && launch.merge == SplitMerge::ByCombinePass {
-        let Some(spec) = KernelForm::Combine.find(q.dtype(), 0, 0) else {
+        let Some(spec) = KernelForm::Combine.find(q.dtype(), q.dtype(), 0, 0) else {
             bail!("split-kv attention: no combine kernel for {:?}", q.dtype())
         };
         let combine = spec.load(&dev)?;

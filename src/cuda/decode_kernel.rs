@@ -23,13 +23,15 @@ impl DecodeKernel {
         dev: &CudaDevice,
         form: KernelForm,
         dtype: DType,
+        kv_dtype: DType,
         dims: &DecodeDims,
     ) -> Result<Self> {
         let group = dims.group_size();
-        let Some(spec) = form.find(dtype, dims.head_dim, group) else {
+        let Some(spec) = form.find(dtype, kv_dtype, dims.head_dim, group) else {
             bail!(
-                "split-kv attention: no {form:?} kernel for {dtype:?}, head dim {} and {group} \
-                 query heads per block in this build (compute capability {})",
+                "split-kv attention: no {form:?} kernel for {dtype:?} queries, {kv_dtype:?} K/V, \
+                 head dim {} and {group} query heads per block in this build (compute \
+                 capability {})",
                 dims.head_dim,
                 compiled_compute_cap()
             )

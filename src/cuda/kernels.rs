@@ -1,17 +1,19 @@
 //! The compiled kernels: the table that build.rs generates from `kernels/kernels.toml` (one entry
 //! per instance, with the threads and shared memory the kernels' headers define), looked up by
-//! form, dtype, head dim and group, and loaded on first use.
+//! form, dtypes, head dim and group, and loaded on first use.
 
 use candle_core::{CudaDevice, DType, Result};
 use cudarc::driver::CudaFunction;
 
 include!(concat!(env!("OUT_DIR"), "/kernel_table.rs"));
 
-/// One compiled kernel: a form at one dtype, head dim and group bound.
+/// One compiled kernel: a form at one dtype, K/V storage type, head dim and group bound.
 #[derive(Debug)]
 pub(crate) struct KernelSpec {
     pub form: KernelForm,
     pub dtype: DType,
+    /// How K and V are stored: `dtype`, or fp8 for the forms that widen it in registers.
+    pub kv_dtype: DType,
     /// 0 for forms that take any head dim.
     pub head_dim: usize,
     /// Query heads a CTA holds at most; 0 for forms without a group.
@@ -28,20 +30,29 @@ pub(crate) struct KernelSpec {
 }
 
 impl KernelForm {
-    /// The instance of this form for `dtype` and `head_dim` whose group bound is the smallest
-    /// that holds `group` query heads (0 for forms without either); `None` where none is
-    /// compiled, as for the tensor-core forms in a build for a target before sm_80.
-    pub fn find(self, dtype: DType, head_dim: usize, group: usize) -> Option<&'static KernelSpec> {
+    /// The instance of this form for `dtype`, K/V stored as `kv_dtype`, and `head_dim`, whose
+    /// group bound is the smallest that holds `group` query heads (0 for forms without either);
+    /// `None` where none is compiled, as for the tensor-core forms in a build for a target
+    /// before sm_80.
+    pub fn find(
+        self,
+        dtype: DType,
+        kv_dtype: DType,
+        head_dim: usize,
+        group: usize,
+    ) -> Option<&'static KernelSpec> {
         KERNELS
             .iter()
-            .filter(|k| k.form == self && k.dtype == dtype && k.head_dim == head_dim)
-            .filter(|k| k.group >= group)
+            .filter(|k| k.form == self && k.dtype == dtype && k.kv_dtype == kv_dtype)
+            .filter(|k| k.head_dim == head_dim && k.group >= group)
             .min_by_key(|k| k.group)
     }
 
-    /// Whether this build has the form for `dtype`.
-    pub fn compiled_for(self, dtype: DType) -> bool {
-        KERNELS.iter().any(|k| k.form == self && k.dtype == dtype)
+    /// Whether this build has the form for `dtype` with K/V stored as `kv_dtype`.
+    pub fn compiled_for(self, dtype: DType, kv_dtype: DType) -> bool {
+        KERNELS
+            .iter()
+            .any(|k| k.form == self && k.dtype == dtype && k.kv_dtype == kv_dtype)
     }
 
     /// The widest group bound compiled for this form.
@@ -61,11 +72,12 @@ impl KernelSpec {
         Ok((*dev.get_or_load_custom_func(self.symbol, self.module, self.ptx)?).clone())
     }
 
-    /// The same instance in another form: same dtype, head dim and group bound.
+    /// The same instance in another form: same dtypes, head dim and group bound.
     pub fn sibling(&self, form: KernelForm) -> Option<&'static KernelSpec> {
         KERNELS.iter().find(|k| {
             k.form == form
                 && k.dtype == self.dtype
+                && k.kv_dtype == self.kv_dtype
                 && k.head_dim == self.head_dim
                 && k.group == self.group
         })
@@ -80,7 +92,7 @@ mod tests {
     fn every_decode_form_covers_every_head_dim() {
         for &d in &crate::SUPPORTED_HEAD_DIMS {
             for dtype in [DType::F32, DType::F16, DType::BF16] {
-                let spec = KernelForm::CudaCore.find(dtype, d, 1);
+                let spec = KernelForm::CudaCore.find(dtype, dtype, d, 1);
                 assert!(spec.is_some_and(|s| s.group == 1 && s.smem_bytes > 0));
             }
         }
@@ -90,7 +102,7 @@ mod tests {
     fn groups_take_the_smallest_bound_that_holds_them() {
         let bound = |g| {
             KernelForm::CudaCore
-                .find(DType::F16, 128, g)
+                .find(DType::F16, DType::F16, 128, g)
                 .map(|s| s.group)
         };
         assert_eq!(bound(3), Some(4));

@@ -21,7 +21,12 @@ const WIDE_FILL_WORK_BYTES: usize = 64 << 20;
 pub(super) fn fills_every_slot(kernel: &DecodeKernel, blocks: &QueryBlocks) -> bool {
     let dims = &blocks.dims;
     // `dims.kv_heads` counts blocks, so this is the K/V bytes times the blocks that read them.
-    let work_bytes = 2 * dims.batch * dims.kv_heads * dims.kv_len * dims.head_dim * 2;
+    let work_bytes = 2
+        * dims.batch
+        * dims.kv_heads
+        * dims.kv_len
+        * dims.head_dim
+        * kernel.spec.kv_dtype.size_in_bytes();
     kernel.is_tensor_core() && blocks.blocks_per_kv_head > 1 && work_bytes >= WIDE_FILL_WORK_BYTES
 }
 

@@ -7,6 +7,7 @@
 
 mod decode;
 mod decode_kernel;
+pub(crate) mod fp8_convert;
 pub(crate) mod kernels;
 pub(crate) mod launch;
 mod lockstep;

@@ -28,9 +28,32 @@ fn gpu_min_chunk(kv_len: usize) -> usize {
     }
 }
 
-/// The kernel family that runs for `choice` and `dtype`.
-fn resolve_family(choice: CudaKernel, dtype: DType) -> Result<KernelForm> {
-    let tensor_cores = dtype != DType::F32 && KernelForm::TensorCore.compiled_for(dtype);
+/// The kernel family that runs for `choice`, `dtype` queries and K/V stored as `kv_dtype`.
+fn resolve_family(choice: CudaKernel, dtype: DType, kv_dtype: DType) -> Result<KernelForm> {
+    if kv_dtype == DType::F8E4M3 {
+        // Only the tensor-core kernels widen fp8 rows, and only in hardware from sm_89 on.
+        if !matches!(dtype, DType::F16 | DType::BF16) {
+            bail!(
+                "split-kv attention: with fp8 (f8e4m3) K/V on CUDA, q must be f16 or bf16, got \
+                 {dtype:?}"
+            )
+        }
+        if choice == CudaKernel::CudaCore {
+            bail!(
+                "split-kv attention: fp8 (f8e4m3) K/V run on the tensor-core kernels; use \
+                 CudaKernel::Auto or CudaKernel::TensorCore"
+            )
+        }
+        if !KernelForm::TensorCore.compiled_for(dtype, kv_dtype) {
+            bail!(
+                "split-kv attention: fp8 (f8e4m3) K/V need a build for compute capability 89 or \
+                 later, this one targets {}",
+                compiled_compute_cap()
+            )
+        }
+        return Ok(KernelForm::TensorCore);
+    }
+    let tensor_cores = dtype != DType::F32 && KernelForm::TensorCore.compiled_for(dtype, dtype);
     Ok(match choice {
         CudaKernel::Auto if tensor_cores => KernelForm::TensorCore,
         CudaKernel::Auto | CudaKernel::CudaCore => KernelForm::CudaCore,
@@ -46,16 +69,16 @@ fn resolve_family(choice: CudaKernel, dtype: DType) -> Result<KernelForm> {
     })
 }
 
-/// The partial kernel and split plan for these inputs.
+/// The partial kernel and split plan for `dtype` queries and K/V stored as `kv_dtype`.
 pub(crate) fn prepare(
     call: &DecodeCall,
     dev: &CudaDevice,
-    dtype: DType,
+    (dtype, kv_dtype): (DType, DType),
     blocks: &QueryBlocks,
 ) -> Result<(DecodeKernel, SplitPlan)> {
     let dims = &blocks.dims;
-    let family = resolve_family(call.cuda_kernel, dtype)?;
-    let kernel = DecodeKernel::load(dev, family, dtype, dims)?;
+    let family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
+    let kernel = DecodeKernel::load(dev, family, dtype, kv_dtype, dims)?;
     let fill = fills_every_slot(&kernel, blocks);
     let slots = if fill {
         kernel.resident
@@ -74,7 +97,7 @@ pub(crate) fn prepare(
     if kernel.is_tensor_core() && items > kernel.resident {
         if let Some(spec) = kernel.spec.sibling(KernelForm::TensorCorePersistent) {
             if spec.smem_bytes <= max_smem_per_cta(dev)? {
-                let persistent = DecodeKernel::load(dev, spec.form, dtype, dims)?;
+                let persistent = DecodeKernel::load(dev, spec.form, dtype, kv_dtype, dims)?;
                 return Ok((persistent, plan));
             }
         }
@@ -121,8 +144,8 @@ fn cluster_plan(
     }
     for fewer in (splits.div_ceil(2)..splits).rev() {
         let candidate = plan::aligned(dims.kv_len, fewer);
-        // K and V rows of 16-bit elements, the tensor-core kernels' inputs.
-        let chunk_bytes = 2 * candidate.chunk_size * dims.head_dim * 2;
+        let chunk_bytes =
+            2 * candidate.chunk_size * dims.head_dim * kernel.spec.kv_dtype.size_in_bytes();
         if chunk_bytes > CLUSTER_CHUNK_BYTES {
             break; // fewer splits only lengthen the chunks
         }

@@ -142,7 +142,7 @@ impl SplitKvAttention {
         match q.device() {
             Device::Cpu => Ok(call.split_plan(cpu::parallel_slots(), plan::MIN_CHUNK)),
             #[cfg(feature = "cuda")]
-            Device::Cuda(dev) => crate::cuda::split_plan(&call, dev, q.dtype()),
+            Device::Cuda(dev) => crate::cuda::split_plan(&call, dev, (q.dtype(), k.dtype())),
             other => bail!(
                 "split-kv attention: no split plan for device {:?}",
                 other.location()

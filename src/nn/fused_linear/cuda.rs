@@ -81,7 +81,7 @@ fn pick_kernel(
     n: usize,
 ) -> Result<(&'static KernelSpec, CudaFunction, u32)> {
     let load = |form: KernelForm| -> Result<(&'static KernelSpec, CudaFunction, usize)> {
-        let Some(spec) = form.find(dtype, 0, 0) else {
+        let Some(spec) = form.find(dtype, dtype, 0, 0) else {
             candle_core::bail!("fused linear: no {form:?} kernel for {dtype:?} in this build")
         };
         let func = spec.load(dev)?;

@@ -10,8 +10,8 @@
 //!   to verify drafted tokens in one pass (the last t positions, causal)
 //! - k, v: `(batch, kv_len, kv_heads, head_dim)`, only the last dim contiguous, so a narrowed,
 //!   transposed view of a head-major `(batch, kv_heads, capacity, head_dim)` cache goes in
-//!   without a copy. In q's dtype, or fp8 (e4m3) with per-tensor scales (the CPU for now; see
-//!   [`SplitKvAttention::k_scale`]).
+//!   without a copy. In q's dtype, or fp8 (e4m3) with per-tensor scales (see
+//!   [`SplitKvAttention::k_scale`] and [`quantize_e4m3`]).
 //! - output: the shape and dtype of q; LSE: f32 `(batch, q_heads, t)`, natural log.
 //!
 //! ```

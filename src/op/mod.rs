@@ -30,7 +30,8 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 ///   zeros and an LSE of −inf. The t tokens of a sequence share one pass over its K/V.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous. Both in
 ///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::k_scale`] and
-///   [`SplitKvAttention::v_scale`] giving the real values (the CPU in this version).
+///   [`SplitKvAttention::v_scale`] giving the real values; on CUDA fp8 takes an f16 or bf16 q
+///   and a build for compute capability 89 or later.
 /// - output: the shape and dtype of q.
 ///
 /// `q_heads` must be a multiple of `kv_heads` (grouped-query attention with any group size).

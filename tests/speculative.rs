@@ -316,6 +316,8 @@ fn attention_as_steps_is_one_token_steps() -> Result<()> {
         max_capacity: past + t,
         dtype: DType::F32,
         device: device.clone(),
+        k_scale: 1.0,
+        v_scale: 1.0,
     })?;
     let kv = |len: usize| Tensor::randn(0f32, 1.0, (1, len, kv_heads, head_dim), &device);
     cache.append(&kv(past)?, &kv(past)?)?;

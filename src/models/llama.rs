@@ -372,6 +372,8 @@ impl Llama {
             max_capacity: config.max_position_embeddings,
             dtype: cache_dtype,
             device: device.clone(),
+            k_scale: 1.0,
+            v_scale: 1.0,
         };
         let caches = (0..config.num_hidden_layers)
             .map(|_| KvCache::new(&cache_config))

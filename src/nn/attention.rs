@@ -386,6 +386,8 @@ mod tests {
             max_capacity: 1024,
             dtype: DType::F32,
             device: Device::Cpu,
+            k_scale: 1.0,
+            v_scale: 1.0,
         })
     }
 

@@ -566,9 +566,10 @@ mod tests {
             assert_eq!(k_all.dtype(), DType::F8E4M3);
             let real = |x: &Tensor, s: f32| x.to_dtype(DType::F32)? * f64::from(s);
             let expected = reference(&q, &real(&k_all, k_scale)?, &real(&v_all, v_scale)?, scale)?;
+            // f32 rounding of outputs a few units large; a misapplied scale moves them by ~1.
             let diff = max_abs_diff(&out, &expected)?;
             assert!(
-                diff < 1e-5,
+                diff < 5e-5,
                 "{backend:?} as steps {as_steps} t {t}: diff {diff}"
             );
         }

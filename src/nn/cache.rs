@@ -329,7 +329,7 @@ impl KvCache {
             if (b, h, d) != expected {
                 return Err(wrong_shape());
             }
-            super::stored_kv::check_input_dtype(&format!("kv cache {op}: {name}"), x.dtype())?;
+            super::stored_kv::check_input_dtype(op, name, x.dtype())?;
             if !x.device().same_device(self.device()) {
                 bail!(
                     "kv cache {op}: {name} is on {:?}, the cache is on {:?}",

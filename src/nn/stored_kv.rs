@@ -25,11 +25,12 @@ pub(crate) fn check_cache_dtype(dtype: DType) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn check_input_dtype(what: &str, dtype: DType) -> Result<()> {
+/// Checks the dtype of new keys or values (`name`) given to the cache's `op`.
+pub(crate) fn check_input_dtype(op: &str, name: &str, dtype: DType) -> Result<()> {
     if !INPUT_DTYPES.contains(&dtype) {
         bail!(
-            "{what} has dtype {dtype:?}; new keys and values are the real values, in one of {} \
-             (the cache converts them to its own dtype)",
+            "kv cache {op}: {name} has dtype {dtype:?}; new keys and values are the real values, \
+             in one of {} (the cache converts them to its own dtype)",
             dtype_list(&INPUT_DTYPES)
         )
     }

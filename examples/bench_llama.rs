@@ -16,9 +16,10 @@
 //! lookup costs no model pass), next to plain decoding.
 //!
 //! Prints one JSON line per (context, backend):
-//! `{"kind":"e2e","model":...,"context":C,"backend":...,"ms_per_token":...,...}` with the
-//! attention share of the step time (our backends) and the bytes a step must read
-//! (weights + KV), from which the bandwidth floor follows.
+//! `{"kind":"e2e","model":...,"kv_dtype":...,"context":C,"backend":...,"ms_per_token":...,...}`
+//! with the attention share of the step time (our backends) and the bytes a step must read
+//! (weights + KV), from which the bandwidth floor follows. `--kv-dtype` picks how our model's
+//! cache stores K/V (fp8 halves bf16's bytes); the stock model's cache is always in `--dtype`.
 //!
 //! ```text
 //! cargo run --release --features cuda --example bench_llama                 # Llama-3-8B shape, bf16
@@ -37,6 +38,10 @@ use candle_splitkv::models::llama::{
 use candle_splitkv::CachedAttention;
 use candle_transformers::models::llama as stock;
 use clap::{Parser, ValueEnum};
+
+#[path = "common/kv_dtype.rs"]
+mod kv_dtype;
+use kv_dtype::{kv_dtype_name, KvDtypeArg};
 
 const WARMUP_STEPS: usize = 4;
 /// Positions past the largest context: room for the warm-up and timed steps.
@@ -87,6 +92,10 @@ struct Args {
     /// bf16, f16 or f32 (default: bf16 on CUDA, f32 on the CPU).
     #[arg(long)]
     dtype: Option<String>,
+    /// How our model's KV cache stores keys and values (written as `kv_dtype` in each line):
+    /// fp8 (e4m3, scale 1), bf16, f16 or f32. Default: `--dtype`.
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    kv_dtype: Option<KvDtypeArg>,
     /// Drafted tokens per verification step to time (0: none). At most 15.
     #[arg(long, default_value_t = 0)]
     speculate: usize,
@@ -189,25 +198,32 @@ fn random_weights(c: &LlamaConfig, dtype: DType, dev: &Device) -> Result<HashMap
 }
 
 /// Bytes one decode step reads: every weight but the embedding table (one row of it), plus K
-/// and V of every layer over the context.
-fn bytes_per_step(c: &LlamaConfig, weights: &HashMap<String, Tensor>, context: usize) -> usize {
+/// and V of every layer over the context, stored in `kv_dtype`.
+fn bytes_per_step(
+    c: &LlamaConfig,
+    weights: &HashMap<String, Tensor>,
+    context: usize,
+    kv_dtype: DType,
+) -> usize {
     let weight_bytes: usize = weights
         .iter()
         .filter(|(name, _)| name.as_str() != "model.embed_tokens.weight")
         .map(|(_, t)| t.elem_count() * t.dtype().size_in_bytes())
         .sum();
-    let dtype_size = weights
-        .values()
-        .next()
-        .map_or(2, |t| t.dtype().size_in_bytes());
-    let kv_bytes =
-        c.num_hidden_layers * 2 * context * c.num_key_value_heads * c.head_dim * dtype_size;
+    let kv_bytes = c.num_hidden_layers
+        * 2
+        * context
+        * c.num_key_value_heads
+        * c.head_dim
+        * kv_dtype.size_in_bytes();
     weight_bytes + kv_bytes
 }
 
 struct Report<'a> {
     model: &'a str,
     dtype: DType,
+    /// How the K/V cache of the timed model stores keys and values.
+    kv_dtype: DType,
     device: &'a str,
     context: usize,
     steps: usize,
@@ -224,11 +240,13 @@ impl Report<'_> {
             None => String::new(),
         };
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
+             \"device\":\"{}\",\
              \"context\":{},\"backend\":\"{backend}\",\"steps\":{},\"ms_per_token\":{ms_per_token:.3},\
              \"tokens_per_s\":{:.2},\"bytes_per_token\":{}{attention}}}",
             self.model,
             self.dtype,
+            kv_dtype_name(self.kv_dtype),
             self.device,
             self.context,
             self.steps,
@@ -243,13 +261,15 @@ impl Report<'_> {
         let tokens = expected_tokens(drafts, acceptance);
         let ms_per_token = verify_ms / tokens;
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
+             \"device\":\"{}\",\
              \"context\":{},\"backend\":\"splitkv_speculative\",\"steps\":{},\"drafts\":{drafts},\
              \"acceptance\":{acceptance},\"tokens_per_step\":{tokens:.3},\"ms_per_step\":{verify_ms:.3},\
              \"step_vs_plain\":{:.3},\"ms_per_token\":{ms_per_token:.3},\"tokens_per_s\":{:.2},\
              \"speedup_vs_plain\":{:.3}}}",
             self.model,
             self.dtype,
+            kv_dtype_name(self.kv_dtype),
             self.device,
             self.context,
             self.steps,
@@ -265,9 +285,14 @@ impl Report<'_> {
             .replace('"', "'")
             .replace('\n', " ");
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"device\":\"{}\",\
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
+             \"device\":\"{}\",\
              \"context\":{},\"backend\":\"{backend}\",\"error\":\"{error}\"}}",
-            self.model, self.dtype, self.device, self.context
+            self.model,
+            self.dtype,
+            kv_dtype_name(self.kv_dtype),
+            self.device,
+            self.context
         );
     }
 }
@@ -434,6 +459,7 @@ fn main() -> Result<()> {
         Some("f32") => DType::F32,
         Some(other) => bail!("unknown dtype {other}; use bf16, f16 or f32"),
     };
+    let kv_dtype = args.kv_dtype.map_or(dtype, KvDtypeArg::dtype);
     let contexts = if args.contexts.is_empty() {
         match args.config {
             Preset::Llama3_8b => vec![4096, 32768, 131072],
@@ -467,23 +493,34 @@ fn main() -> Result<()> {
         config.num_hidden_layers
     );
     let device_name = if device.is_cpu() { "cpu" } else { "cuda" };
-    eprintln!("building random {model_name} weights ({dtype:?}, {device_name})");
+    eprintln!(
+        "building random {model_name} weights ({dtype:?}, K/V {}, {device_name})",
+        kv_dtype_name(kv_dtype)
+    );
     let weights = random_weights(&config, dtype, &device)?;
 
     for &context in &contexts {
         let report = Report {
             model: &model_name,
             dtype,
+            kv_dtype,
             device: device_name,
             context,
             steps: args.steps,
-            bytes: bytes_per_step(&config, &weights, context),
+            bytes: bytes_per_step(&config, &weights, context, kv_dtype),
+        };
+        // The stock model caches K/V in the activation dtype.
+        let stock_report = Report {
+            kv_dtype: dtype,
+            bytes: bytes_per_step(&config, &weights, context, dtype),
+            ..report
         };
         let ours_wanted = args.backends.iter().any(|b| *b != Backend::CandleStock);
         if ours_wanted {
             let vb = VarBuilder::from_tensors(weights.clone(), dtype, &device);
             let options = LoadOptions {
                 initial_cache_capacity: context + CONTEXT_MARGIN,
+                cache_dtype: Some(kv_dtype),
                 ..LoadOptions::default()
             };
             let mut model = Llama::from_var_builder(vb, config.clone(), dtype, options)?;
@@ -523,7 +560,7 @@ fn main() -> Result<()> {
         }
         if args.backends.contains(&Backend::CandleStock) {
             if context > args.stock_max_context {
-                report.error(
+                stock_report.error(
                     "candle_stock",
                     &format!(
                         "skipped: context above --stock-max-context {}",
@@ -532,8 +569,8 @@ fn main() -> Result<()> {
                 );
             } else {
                 match run_stock(&weights, &config, dtype, &device, context, args.steps) {
-                    Ok(ms) => report.line("candle_stock", ms, None),
-                    Err(e) => report.error("candle_stock", &e.to_string()),
+                    Ok(ms) => stock_report.line("candle_stock", ms, None),
+                    Err(e) => stock_report.error("candle_stock", &e.to_string()),
                 }
             }
         }

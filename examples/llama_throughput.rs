@@ -37,7 +37,7 @@ struct Args {
     /// Also time candle-transformers' quantized_llama (GGUF only, contexts up to 4096).
     #[arg(long)]
     stock: bool,
-    /// KV cache dtype: f32, f16 or bf16 (default: the model's choice).
+    /// KV cache dtype: f32, f16, bf16 or fp8 (e4m3, scale 1) (default: the model's choice).
     #[arg(long)]
     cache_dtype: Option<String>,
 }
@@ -119,7 +119,8 @@ fn main() -> Result<()> {
         Some("f32") => Some(DType::F32),
         Some("f16") => Some(DType::F16),
         Some("bf16") => Some(DType::BF16),
-        Some(other) => bail!("unknown cache dtype {other}; use f32, f16 or bf16"),
+        Some("fp8") => Some(DType::F8E4M3),
+        Some(other) => bail!("unknown cache dtype {other}; use f32, f16, bf16 or fp8"),
     };
     let options = LoadOptions {
         cache_dtype,

@@ -304,6 +304,16 @@ fn moved_cut(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<usize> 
 /// where the op's split of the cache moves (one call over all of them rounds differently there).
 #[test]
 fn attention_as_steps_is_one_token_steps() -> Result<()> {
+    as_steps_against_steps(DType::F32, (1.0, 1.0))
+}
+
+/// The same over an fp8 cache with scales: verification reads it exactly as decoding does.
+#[test]
+fn attention_as_steps_over_an_fp8_cache_is_one_token_steps() -> Result<()> {
+    as_steps_against_steps(DType::F8E4M3, (0.05, 0.02))
+}
+
+fn as_steps_against_steps(cache_dtype: DType, (k_scale, v_scale): (f32, f32)) -> Result<()> {
     let (q_heads, kv_heads, head_dim, t) = (9, 3, 64, 16);
     let cut = moved_cut(q_heads, kv_heads, head_dim)?;
     let past = cut - t / 2;
@@ -314,8 +324,10 @@ fn attention_as_steps_is_one_token_steps() -> Result<()> {
         head_dim,
         initial_capacity: 64,
         max_capacity: past + t,
-        dtype: DType::F32,
+        dtype: cache_dtype,
         device: device.clone(),
+        k_scale,
+        v_scale,
     })?;
     let kv = |len: usize| Tensor::randn(0f32, 1.0, (1, len, kv_heads, head_dim), &device);
     cache.append(&kv(past)?, &kv(past)?)?;

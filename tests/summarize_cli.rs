@@ -173,6 +173,38 @@ fn short_document_streams_a_summary_and_a_stats_line() {
         "{stats:?}"
     );
     assert!(stats.contains("attention splitkv"), "{stats:?}");
+    // The GGUF model runs in f32 and its cache follows unless --kv-dtype says otherwise.
+    assert!(stats.contains("| kv float32 |"), "{stats:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn fp8_kv_cache_summarizes_and_reports_its_dtype() {
+    let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch_dir("fp8");
+    let document = dir.join("library.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let output = summarize(&[document.to_str().unwrap(), "--json", "--kv-dtype", "fp8"]);
+    let stderr = text(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    let report: Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(&output.stdout)));
+    assert_eq!(report["stats"]["kv_dtype"], "float8_e4m3fn", "{report}");
+    assert!(
+        report["summary"]
+            .as_str()
+            .is_some_and(|s| s.split_whitespace().count() >= 5),
+        "{report}"
+    );
+    let stats_line = stderr.lines().last().unwrap_or_default();
+    assert!(
+        stats_line.contains("| kv float8_e4m3fn |"),
+        "{stats_line:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, ValueEnum};
 
+pub use crate::kv_dtype::KvDtypeArg;
+
 /// Summarize a text document with a local LLM, on CPU or CUDA.
 ///
 /// Documents longer than the model's context are cut into chunks on paragraph boundaries; each
@@ -28,6 +30,12 @@ pub struct Args {
     /// Attention used while decoding: the crate's split-KV kernel, or the naive reference.
     #[arg(long, value_enum, default_value_t = AttentionArg::Splitkv)]
     pub attention: AttentionArg,
+
+    /// How the KV cache stores keys and values. fp8 (e4m3, scale 1) takes half the bytes of bf16
+    /// per position, with 3 mantissa bits; keys and values beyond ±448 saturate. Default: the
+    /// model's dtype (f32 on the CPU and for GGUF models).
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub kv_dtype: Option<KvDtypeArg>,
 
     /// The most tokens of the final summary; summaries of chunks get half as many.
     #[arg(long, default_value_t = 200)]

@@ -12,6 +12,8 @@ mod cli;
 mod default_model;
 mod document;
 mod generation;
+#[path = "../common/kv_dtype.rs"]
+mod kv_dtype;
 mod map_reduce;
 mod progress;
 mod stats;
@@ -22,7 +24,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::Device;
-use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
 use candle_splitkv::summarize::ChatFormat;
 use clap::Parser;
 
@@ -74,11 +76,17 @@ fn run(args: &Args) -> Result<()> {
         AttentionArg::Splitkv => AttentionBackend::SplitKv,
         AttentionArg::Naive => AttentionBackend::Naive,
     };
-    let loaded = match Llama::load(&model_path, &device, backend) {
+    let options = LoadOptions {
+        backend,
+        cache_dtype: args.kv_dtype.map(|kv| kv.dtype()),
+        ..LoadOptions::default()
+    };
+    let loaded = match Llama::load_with(&model_path, &device, options) {
         Ok(loaded) => loaded,
         Err(e) => bad_input!("cannot load the model {}: {e}", model_path.display()),
     };
     let mut model = loaded.model;
+    let kv_dtype = kv_dtype::kv_dtype_name(model.cache_dtype());
     let format = ChatFormat::detect(loaded.chat_template.as_deref());
     let mut stop_tokens = loaded.eos_token_ids.clone();
     stop_tokens.extend(loaded.tokenizer.token_to_id(format.end_of_turn()));
@@ -106,6 +114,7 @@ fn run(args: &Args) -> Result<()> {
             AttentionBackend::SplitKv => "splitkv",
             AttentionBackend::Naive => "naive",
         },
+        kv_dtype,
         speculate: args.speculate,
         elapsed_secs: started.elapsed().as_secs_f64(),
     };

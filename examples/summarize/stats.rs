@@ -9,6 +9,8 @@ pub struct RunInfo {
     pub model: String,
     pub device: String,
     pub attention: &'static str,
+    /// How the KV cache stores keys and values (`float32`, `bfloat16`, `float16`, `float8_e4m3fn`).
+    pub kv_dtype: &'static str,
     /// Tokens drafted per verification pass (0: no speculation).
     pub speculate: usize,
     pub elapsed_secs: f64,
@@ -46,13 +48,14 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     };
     format!(
         "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
-         attention {} | device {} | {:.1} s",
+         attention {} | kv {} | device {} | {:.1} s",
         summary.document_tokens,
         summary.chunks,
         if summary.chunks == 1 { "" } else { "s" },
         per_second(t.prefill_tokens, t.prefill_secs),
         per_second(t.decode_tokens, t.decode_secs),
         info.attention,
+        info.kv_dtype,
         info.device,
         info.elapsed_secs,
     )
@@ -80,6 +83,7 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "acceptance_rate": acceptance_rate(summary),
             "verify_passes": t.verify_passes,
             "attention": info.attention,
+            "kv_dtype": info.kv_dtype,
             "device": info.device,
             "model": info.model,
             "elapsed_seconds": info.elapsed_secs,

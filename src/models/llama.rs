@@ -40,10 +40,20 @@ pub struct LoadOptions {
     pub dtype: Option<DType>,
     /// How GGUF weight forms are chosen.
     pub weight_forms: WeightFormPolicy,
-    /// KV cache dtype. `None`: the activation dtype. A narrower one (f16 under f32) halves the
-    /// bytes a decode step reads; on the CPU, where the op is compute-bound at these sizes, f32
-    /// measured faster (docs/perf-log.md, "CPU cache dtype").
+    /// KV cache dtype: f32, f16, bf16 or f8e4m3. `None`: the activation dtype. A narrower one
+    /// (f16 under f32) halves the bytes a decode step reads; on the CPU, where the op is
+    /// compute-bound at these sizes, f32 measured faster (docs/perf-log.md, "CPU cache dtype").
+    /// fp8 (`F8E4M3`, e4m3) stores half the bytes of bf16 per position, with 3 mantissa bits:
+    /// keys and values are stored divided by [`LoadOptions::cache_k_scale`] and
+    /// [`LoadOptions::cache_v_scale`] and saturate at ±448 × the scale.
     pub cache_dtype: Option<DType>,
+    /// Keys are cached divided by this and read back times it (1.0 by default): with an fp8
+    /// cache, a scale above the largest key magnitude / 448 keeps keys from saturating, a
+    /// smaller one keeps more precision for small keys. Finite and positive.
+    pub cache_k_scale: f32,
+    /// Values are cached divided by this and read back times it (1.0 by default), as keys are
+    /// by [`LoadOptions::cache_k_scale`].
+    pub cache_v_scale: f32,
     /// Positions allocated per layer cache up front; the cache doubles from there.
     pub initial_cache_capacity: usize,
     /// Join each layer's dense projections (q/k/v, gate/up) for the fused decode kernels.
@@ -58,6 +68,8 @@ impl Default for LoadOptions {
             dtype: None,
             weight_forms: WeightFormPolicy::Measure,
             cache_dtype: None,
+            cache_k_scale: 1.0,
+            cache_v_scale: 1.0,
             initial_cache_capacity: DEFAULT_INITIAL_CACHE_CAPACITY,
             joined_layers: None,
         }
@@ -360,10 +372,8 @@ impl Llama {
         options: LoadOptions,
     ) -> Result<Self> {
         let rope = RotaryEmbedding::new(&config, rope_freq_factors, rope_layout, dtype, device)?;
+        // The cache checks the dtype and the scales.
         let cache_dtype = options.cache_dtype.unwrap_or(dtype);
-        if !matches!(cache_dtype, DType::F32 | DType::F16 | DType::BF16) {
-            bail!("llama: cache dtype {cache_dtype:?} is not supported; use f32, f16 or bf16")
-        }
         let cache_config = KvCacheConfig {
             batch: 1,
             kv_heads: config.num_key_value_heads,
@@ -372,6 +382,8 @@ impl Llama {
             max_capacity: config.max_position_embeddings,
             dtype: cache_dtype,
             device: device.clone(),
+            k_scale: options.cache_k_scale,
+            v_scale: options.cache_v_scale,
         };
         let caches = (0..config.num_hidden_layers)
             .map(|_| KvCache::new(&cache_config))
@@ -512,6 +524,11 @@ impl Llama {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype the KV cache stores keys and values in.
+    pub fn cache_dtype(&self) -> DType {
+        self.caches.first().map_or(self.dtype, KvCache::dtype)
     }
 
     pub fn device(&self) -> &Device {

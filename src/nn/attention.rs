@@ -4,10 +4,14 @@
 //! together with the layer's cache. The new keys and values are written into the cache in place;
 //! then a decode step (`t == 1`), or a few tokens being verified, runs the split-KV op over the
 //! cache views with no copy of the cache, and a longer prompt runs a blocked causal attention.
+//!
+//! Every path reads the cache's stored K/V with its scales (real = stored × scale), so an fp8
+//! cache attends to the same real values on all of them.
 
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::cache::KvCache;
+use crate::op::SplitKvAttention;
 
 /// Which attention runs over the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -29,7 +33,8 @@ const DEFAULT_PREFILL_BLOCK: usize = 128;
 ///
 /// - q: `(batch, t, q_heads, head_dim)`, k and v: `(batch, t, kv_heads, head_dim)`, all after
 ///   RoPE. `q_heads` must be a multiple of `kv_heads`. k and v are stored in the cache's dtype,
-///   which may be narrower than q's (an f16 cache halves the bytes a decode step reads).
+///   which may be narrower than q's (an f16 cache halves the bytes a decode step reads, an fp8
+///   one halves them again), with the cache's scales.
 /// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
 ///
 /// Token `i` of sequence `s` sits at position `cache.seq_lens()[s] + i` (before the call) and
@@ -139,9 +144,8 @@ impl CachedAttention {
             bail!("cached attention: prefill_block must be at least 1")
         }
 
-        // The cache may hold a narrower dtype than the activations (e.g. f16 under f32).
-        let k = &k.to_dtype(cache.dtype())?;
-        let v = &v.to_dtype(cache.dtype())?;
+        // The cache stores k and v in its own dtype (e.g. f16 under f32, or scaled fp8).
+        let scales = KvScales::of(cache);
         if cache.is_uniform() {
             let past = cache.len();
             let (k_all, v_all) = cache.append(k, v)?;
@@ -151,24 +155,20 @@ impl CachedAttention {
                 && self.uses_split_kv(head_dim)
                 && crate::op::takes_query_tokens(t)
             {
-                return self.split_kv_as_steps(q, &k_all, &v_all, past);
+                return self.split_kv_as_steps(q, &k_all, &v_all, past, scales);
             }
-            return self.attend(q, &k_all, &v_all, past);
+            return self.attend(q, &k_all, &v_all, past, scales);
         }
         if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) {
             // Ragged decode (or verification of a few tokens): one op call, each sequence masked
             // to its own length.
             let (k_all, v_all) = cache.append(k, v)?;
             let lens = cache.seq_lens_tensor()?;
-            let q_cache = q.to_dtype(k_all.dtype())?;
-            return crate::op::flash_decode_varlen(
-                &q_cache,
-                &k_all,
-                &v_all,
-                &lens,
-                self.softmax_scale,
-            )?
-            .to_dtype(q.dtype());
+            return self
+                .op(scales)
+                .with_seqlens(lens)
+                .forward(&op_query(q, k_all.dtype())?, &k_all, &v_all)?
+                .to_dtype(q.dtype());
         }
         // Ragged prefill: sequence by sequence, each over its own cached prefix.
         let outs = (0..batch)
@@ -176,7 +176,7 @@ impl CachedAttention {
                 let past = cache.seq_lens()[seq];
                 let (k_all, v_all) =
                     cache.append_to(seq, &k.narrow(0, seq, 1)?, &v.narrow(0, seq, 1)?)?;
-                self.attend(&q.narrow(0, seq, 1)?, &k_all, &v_all, past)
+                self.attend(&q.narrow(0, seq, 1)?, &k_all, &v_all, past, scales)
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::cat(&outs, 0)
@@ -190,10 +190,11 @@ impl CachedAttention {
         k_all: &Tensor,
         v_all: &Tensor,
         past: usize,
+        scales: KvScales,
     ) -> Result<Tensor> {
         let t = q.dim(1)?;
-        let q_cache = q.to_dtype(k_all.dtype())?;
-        let op = crate::op::SplitKvAttention::new(self.softmax_scale);
+        let q_cache = op_query(q, k_all.dtype())?;
+        let op = self.op(scales);
         // The cut a step for token i would make: none (one split), or chunks of this length.
         let cuts = (0..t)
             .map(|i| {
@@ -229,21 +230,34 @@ impl CachedAttention {
         out.to_dtype(q.dtype())
     }
 
+    /// The split-KV op over K/V stored with `scales`.
+    fn op(&self, scales: KvScales) -> SplitKvAttention {
+        SplitKvAttention::new(self.softmax_scale).with_kv_scales(scales.k, scales.v)
+    }
+
     fn uses_split_kv(&self, head_dim: usize) -> bool {
         self.backend == AttentionBackend::SplitKv
             && crate::op::validate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
     }
 
-    /// q `(b, t, h_q, d)` over all of `k_all`/`v_all` `(b, past + t, h_kv, d)`, causally.
-    fn attend(&self, q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize) -> Result<Tensor> {
+    /// q `(b, t, h_q, d)` over all of `k_all`/`v_all` `(b, past + t, h_kv, d)`, stored with
+    /// `scales`, causally.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k_all: &Tensor,
+        v_all: &Tensor,
+        past: usize,
+        scales: KvScales,
+    ) -> Result<Tensor> {
         let (_, t, _, head_dim) = q.dims4()?;
         match self.backend {
             AttentionBackend::SplitKv
                 if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) =>
             {
-                // The op takes q in the cache's dtype; it accumulates in f32 whatever the dtype.
-                let q_cache = q.to_dtype(k_all.dtype())?;
-                crate::op::flash_decode(&q_cache, k_all, v_all, self.softmax_scale)?
+                // The op accumulates in f32 whatever the dtype.
+                self.op(scales)
+                    .forward(&op_query(q, k_all.dtype())?, k_all, v_all)?
                     .to_dtype(q.dtype())
             }
             AttentionBackend::SplitKv => blocked_causal(
@@ -252,10 +266,46 @@ impl CachedAttention {
                 v_all,
                 past,
                 self.softmax_scale,
+                scales,
                 self.prefill_block,
             ),
-            AttentionBackend::Naive => naive(q, k_all, v_all, past, self.softmax_scale),
+            AttentionBackend::Naive => naive(q, k_all, v_all, past, self.softmax_scale, scales),
         }
+    }
+}
+
+/// The per-tensor scales of a cache's stored K/V: real = stored × scale.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct KvScales {
+    k: f32,
+    v: f32,
+}
+
+impl KvScales {
+    fn of(cache: &KvCache) -> Self {
+        Self {
+            k: cache.k_scale(),
+            v: cache.v_scale(),
+        }
+    }
+}
+
+/// q as the op takes it over K/V stored in `kv_dtype`: in that dtype, except over fp8 K/V,
+/// which the op reads under q as it is (f32, f16 or bf16).
+fn op_query(q: &Tensor, kv_dtype: DType) -> Result<Tensor> {
+    if kv_dtype == DType::F8E4M3 {
+        Ok(q.clone())
+    } else {
+        q.to_dtype(kv_dtype)
+    }
+}
+
+/// `x · scale` (f32), skipped when the scale is 1.
+fn scaled(x: Tensor, scale: f32) -> Result<Tensor> {
+    if scale == 1.0 {
+        Ok(x)
+    } else {
+        x.affine(f64::from(scale), 0.0)
     }
 }
 
@@ -263,12 +313,16 @@ impl CachedAttention {
 /// `[0, past + s + n)`, so the masked upper triangle beyond the diagonal block is never computed.
 /// The query heads of a GQA group are stacked as rows of one matmul against their shared K/V,
 /// so K/V are never repeated per head. Computes in f32.
+///
+/// The stored K/V are cast to f32; their scales fold into q (scores are linear in k) and into
+/// the output (a weighted sum of v), which costs less than scaling every cached row.
 fn blocked_causal(
     q: &Tensor,
     k_all: &Tensor,
     v_all: &Tensor,
     past: usize,
     scale: f32,
+    kv_scales: KvScales,
     block: usize,
 ) -> Result<Tensor> {
     let (b, t, q_heads, d) = q.dims4()?;
@@ -276,7 +330,7 @@ fn blocked_causal(
     let kv_heads = k_all.dim(2)?;
     let group = q_heads / kv_heads;
     // (b, kv_heads, t, group, d): rows of a block are (position, group member).
-    let q = (q.to_dtype(DType::F32)? * f64::from(scale))?
+    let q = (q.to_dtype(DType::F32)? * (f64::from(scale) * f64::from(kv_scales.k)))?
         .reshape((b, t, kv_heads, group, d))?
         .transpose(1, 2)?
         .contiguous()?;
@@ -317,10 +371,10 @@ fn blocked_causal(
             .reshape((b, kv_heads, n, group, d))?;
         outs.push(out);
     }
-    Tensor::cat(&outs, 2)?
+    let out = Tensor::cat(&outs, 2)?
         .transpose(1, 2)?
-        .reshape((b, t, q_heads, d))?
-        .to_dtype(out_dtype)
+        .reshape((b, t, q_heads, d))?;
+    scaled(out, kv_scales.v)?.to_dtype(out_dtype)
 }
 
 /// `(b, kv_heads, L, d)` with each head repeated `group` times in place: `(b, kv_heads · group, L, d)`.
@@ -335,8 +389,16 @@ fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
 }
 
 /// Candle's naive attention: K/V repeated per query head, full `(t, past + t)` scores, causal mask
-/// when `t > 1`, softmax, in f32.
-fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) -> Result<Tensor> {
+/// when `t > 1`, softmax, in f32. The K/V scales fold into the scores and the output, as in
+/// [`blocked_causal`].
+fn naive(
+    q: &Tensor,
+    k_all: &Tensor,
+    v_all: &Tensor,
+    past: usize,
+    scale: f32,
+    kv_scales: KvScales,
+) -> Result<Tensor> {
     let (b, t, q_heads, d) = q.dims4()?;
     let out_dtype = q.dtype();
     let kv_len = k_all.dim(1)?;
@@ -346,7 +408,7 @@ fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) ->
     let v = repeat_kv(&v_all.transpose(1, 2)?, group)?
         .to_dtype(DType::F32)?
         .contiguous()?;
-    let scores = (q.matmul(&k.t()?)? * f64::from(scale))?;
+    let scores = (q.matmul(&k.t()?)? * (f64::from(scale) * f64::from(kv_scales.k)))?;
     let scores = if t > 1 {
         let cols = Tensor::arange(0u32, kv_len as u32, q.device())?.reshape((1, kv_len))?;
         let first_hidden = Tensor::arange((past + 1) as u32, (past + t + 1) as u32, q.device())?
@@ -360,11 +422,11 @@ fn naive(q: &Tensor, k_all: &Tensor, v_all: &Tensor, past: usize, scale: f32) ->
         scores
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-    probs
+    let out = probs
         .matmul(&v)?
         .transpose(1, 2)?
-        .reshape((b, t, q_heads, d))?
-        .to_dtype(out_dtype)
+        .reshape((b, t, q_heads, d))?;
+    scaled(out, kv_scales.v)?.to_dtype(out_dtype)
 }
 
 #[cfg(test)]
@@ -386,6 +448,8 @@ mod tests {
             max_capacity: 1024,
             dtype: DType::F32,
             device: Device::Cpu,
+            k_scale: 1.0,
+            v_scale: 1.0,
         })
     }
 
@@ -464,15 +528,77 @@ mod tests {
         run(AttentionBackend::Naive, DEFAULT_PREFILL_BLOCK)
     }
 
+    /// An fp8 cache with the given scales, otherwise like [`cache`].
+    fn fp8_cache(batch: usize, kv_heads: usize, d: usize, scales: (f32, f32)) -> Result<KvCache> {
+        KvCache::new(
+            &KvCacheConfig {
+                dtype: DType::F8E4M3,
+                ..cache(batch, kv_heads, d)?.config()
+            }
+            .with_kv_scales(scales.0, scales.1),
+        )
+    }
+
+    /// Over an fp8 cache with scales other than 1, every path (blocked causal prefill on top of
+    /// cached positions, the op for a few tokens and a step, naive, as steps) attends to the real
+    /// values: the stored ones times the scales.
+    fn run_fp8(backend: AttentionBackend, as_steps: bool) -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h_q, h_kv, d) = (2, 6, 2, 64);
+        let scale = 0.125;
+        let (k_scale, v_scale) = (0.05, 0.02);
+        let mut cache = fp8_cache(b, h_kv, d, (k_scale, v_scale))?;
+        let attn = CachedAttention {
+            prefill_block: 8,
+            ..CachedAttention::new(scale).with_backend(backend)
+        };
+        // Past the op's 16 query tokens, a second such chunk, a few tokens, one step.
+        for t in [21, 18, 3, 1] {
+            let q = Tensor::randn(0f32, 1.0, (b, t, h_q, d), &dev)?;
+            let k = Tensor::randn(0f32, 4.0, (b, t, h_kv, d), &dev)?;
+            let v = Tensor::randn(0f32, 2.0, (b, t, h_kv, d), &dev)?;
+            let out = if as_steps {
+                attn.forward_as_steps(&q, &k, &v, &mut cache)?
+            } else {
+                attn.forward(&q, &k, &v, &mut cache)?
+            };
+            let (k_all, v_all) = cache.views()?;
+            assert_eq!(k_all.dtype(), DType::F8E4M3);
+            let real = |x: &Tensor, s: f32| x.to_dtype(DType::F32)? * f64::from(s);
+            let expected = reference(&q, &real(&k_all, k_scale)?, &real(&v_all, v_scale)?, scale)?;
+            // f32 rounding of outputs a few units large; a misapplied scale moves them by ~1.
+            let diff = max_abs_diff(&out, &expected)?;
+            assert!(
+                diff < 5e-5,
+                "{backend:?} as steps {as_steps} t {t}: diff {diff}"
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn fp8_cache_is_read_as_the_real_values_on_every_path() -> Result<()> {
+        run_fp8(AttentionBackend::SplitKv, false)?;
+        run_fp8(AttentionBackend::SplitKv, true)?;
+        run_fp8(AttentionBackend::Naive, false)
+    }
+
     #[test]
     fn ragged_batch_attends_each_sequence_over_its_own_length() -> Result<()> {
+        ragged_batch(&|batch| cache(batch, 2, 64))?;
+        ragged_batch(&|batch| fp8_cache(batch, 2, 64, (0.05, 0.02)))
+    }
+
+    /// Ragged decode (one op call, each sequence masked to its length) against each sequence
+    /// alone, over caches from `new_cache(batch)`.
+    fn ragged_batch(new_cache: &dyn Fn(usize) -> Result<KvCache>) -> Result<()> {
         let dev = Device::Cpu;
         let (h_q, h_kv, d) = (4, 2, 64);
         let scale = 0.125;
         for backend in [AttentionBackend::SplitKv, AttentionBackend::Naive] {
             let attn = CachedAttention::new(scale).with_backend(backend);
-            let mut batched = cache(2, h_kv, d)?;
-            let mut singles = [cache(1, h_kv, d)?, cache(1, h_kv, d)?];
+            let mut batched = new_cache(2)?;
+            let mut singles = [new_cache(1)?, new_cache(1)?];
             // Prompts of 5 and 9 tokens, one sequence at a time.
             for (seq, len) in [(0, 5), (1, 9)] {
                 let k = Tensor::randn(0f32, 1.0, (1, len, h_kv, d), &dev)?;

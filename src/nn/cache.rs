@@ -5,8 +5,15 @@
 //! O(context). Views `(batch, len, kv_heads, head_dim)` (a narrow plus a transpose, no copy) go
 //! straight into [`crate::flash_decode`]. The capacity doubles when it runs out, the only time the
 //! cached data is copied, up to a fixed maximum; past it `append` fails instead of truncating.
+//!
+//! The cache may store fp8 (e4m3): half the bytes of bf16 per position. Keys and values are
+//! then stored divided by per-tensor scales (real = stored × scale) and saturated at ±448, and
+//! readers pass [`KvCache::k_scale`] and [`KvCache::v_scale`] to the op.
 
 use candle_core::{bail, DType, Device, Result, Tensor};
+
+use super::stored_kv::StoredForm;
+pub use super::stored_kv::{CACHE_DTYPES, E4M3_MAX};
 
 /// Sizes and placement of a [`KvCache`].
 #[derive(Debug, Clone)]
@@ -18,8 +25,23 @@ pub struct KvCacheConfig {
     pub initial_capacity: usize,
     /// Positions the cache may grow to, per sequence (usually the model's context length).
     pub max_capacity: usize,
+    /// The stored dtype, one of [`CACHE_DTYPES`]: f32, f16, bf16 or f8e4m3.
     pub dtype: DType,
     pub device: Device,
+    /// Keys are stored divided by this (real = stored × `k_scale`); finite and positive, 1.0
+    /// to store them as they are. With f8e4m3, keys beyond ±448 × `k_scale` saturate there.
+    pub k_scale: f32,
+    /// Values are stored divided by this, as keys are by `k_scale`; 1.0 to store them as they are.
+    pub v_scale: f32,
+}
+
+impl KvCacheConfig {
+    /// The per-tensor scales of keys and values (see [`KvCacheConfig::k_scale`]).
+    pub fn with_kv_scales(mut self, k_scale: f32, v_scale: f32) -> Self {
+        self.k_scale = k_scale;
+        self.v_scale = v_scale;
+        self
+    }
 }
 
 /// Keys and values of one attention layer, for a batch of sequences.
@@ -33,13 +55,16 @@ pub struct KvCacheConfig {
 pub struct KvCache {
     k: Tensor,
     v: Tensor,
+    k_form: StoredForm,
+    v_form: StoredForm,
     seq_lens: Vec<usize>,
     max_capacity: usize,
 }
 
 impl KvCache {
     /// Allocates the cache with `config.initial_capacity` positions per sequence (at least 1, at
-    /// most `config.max_capacity`), filled with zeros.
+    /// most `config.max_capacity`), filled with zeros. Fails on a dtype outside
+    /// [`CACHE_DTYPES`] and on scales that are not finite and positive.
     pub fn new(config: &KvCacheConfig) -> Result<Self> {
         let KvCacheConfig {
             batch,
@@ -49,6 +74,8 @@ impl KvCache {
             max_capacity,
             dtype,
             ref device,
+            k_scale,
+            v_scale,
         } = *config;
         if batch == 0 || kv_heads == 0 || head_dim == 0 || max_capacity == 0 {
             bail!(
@@ -56,12 +83,16 @@ impl KvCache {
                  max_capacity ({max_capacity}) must all be at least 1"
             )
         }
+        let k_form = StoredForm::new(dtype, k_scale, "k_scale", device)?;
+        let v_form = StoredForm::new(dtype, v_scale, "v_scale", device)?;
         let capacity = initial_capacity.clamp(1, max_capacity);
         let k = Tensor::zeros((batch, kv_heads, capacity, head_dim), dtype, device)?;
         let v = k.zeros_like()?;
         Ok(Self {
             k,
             v,
+            k_form,
+            v_form,
             seq_lens: vec![0; batch],
             max_capacity,
         })
@@ -81,6 +112,8 @@ impl KvCache {
             max_capacity: self.max_capacity,
             dtype: self.dtype(),
             device: self.device().clone(),
+            k_scale: self.k_scale(),
+            v_scale: self.v_scale(),
         }
     }
 
@@ -101,8 +134,19 @@ impl KvCache {
         self.max_capacity
     }
 
+    /// The stored dtype: that of the views.
     pub fn dtype(&self) -> DType {
         self.k.dtype()
+    }
+
+    /// The real keys are the stored ones (the views) times this.
+    pub fn k_scale(&self) -> f32 {
+        self.k_form.scale()
+    }
+
+    /// The real values are the stored ones (the views) times this.
+    pub fn v_scale(&self) -> f32 {
+        self.v_form.scale()
     }
 
     pub fn device(&self) -> &Device {
@@ -151,13 +195,14 @@ impl KvCache {
         self.seq_lens.iter_mut().for_each(|l| *l = (*l).min(len));
     }
 
-    /// Appends `t` new positions to every sequence; `k_new` and `v_new` are
-    /// `(batch, t, kv_heads, head_dim)`. Returns the views after the append.
+    /// Appends `t` new positions to every sequence; `k_new` and `v_new` are the real keys and
+    /// values `(batch, t, kv_heads, head_dim)` in f32, f16 or bf16, stored as described on
+    /// [`KvCacheConfig::k_scale`]. Returns the views after the append.
     pub fn append(&mut self, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = self.check_new("append", k_new, v_new, self.batch())?;
         let needed = self.len() + t;
         self.reserve(needed)?;
-        let (k_new, v_new) = (head_major(k_new)?, head_major(v_new)?);
+        let (k_new, v_new) = self.stored_rows(k_new, v_new)?;
         if self.is_uniform() {
             let at = self.len();
             self.k.slice_set(&k_new, 2, at)?;
@@ -183,7 +228,8 @@ impl KvCache {
     }
 
     /// Appends `t` new positions to sequence `seq` only; `k_new` and `v_new` are
-    /// `(1, t, kv_heads, head_dim)`. Returns that sequence's views `(1, len, kv_heads, head_dim)`.
+    /// `(1, t, kv_heads, head_dim)`, as for [`KvCache::append`]. Returns that sequence's views
+    /// `(1, len, kv_heads, head_dim)`.
     pub fn append_to(
         &mut self,
         seq: usize,
@@ -199,12 +245,9 @@ impl KvCache {
         let t = self.check_new("append_to", k_new, v_new, 1)?;
         let at = self.seq_lens[seq];
         self.reserve(at + t)?;
-        self.k
-            .narrow(0, seq, 1)?
-            .slice_set(&head_major(k_new)?, 2, at)?;
-        self.v
-            .narrow(0, seq, 1)?
-            .slice_set(&head_major(v_new)?, 2, at)?;
+        let (k_new, v_new) = self.stored_rows(k_new, v_new)?;
+        self.k.narrow(0, seq, 1)?.slice_set(&k_new, 2, at)?;
+        self.v.narrow(0, seq, 1)?.slice_set(&v_new, 2, at)?;
         self.seq_lens[seq] += t;
         self.sequence_views(seq)
     }
@@ -261,6 +304,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// New keys and values `(b, t, h, d)` as stored: contiguous `(b, h, t, d)` in the cache's
+    /// dtype (a copy of the new rows only).
+    fn stored_rows(&self, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
+        let stored = |form: &StoredForm, x: &Tensor| form.store(&x.transpose(1, 2)?)?.contiguous();
+        Ok((stored(&self.k_form, k_new)?, stored(&self.v_form, v_new)?))
+    }
+
     /// Checks new keys/values against the cache; returns their number of positions.
     fn check_new(&self, op: &str, k: &Tensor, v: &Tensor, batch: usize) -> Result<usize> {
         let expected = (batch, self.kv_heads(), self.head_dim());
@@ -279,13 +329,7 @@ impl KvCache {
             if (b, h, d) != expected {
                 return Err(wrong_shape());
             }
-            if x.dtype() != self.dtype() {
-                bail!(
-                    "kv cache {op}: {name} has dtype {:?}, the cache holds {:?}",
-                    x.dtype(),
-                    self.dtype()
-                )
-            }
+            super::stored_kv::check_input_dtype(op, name, x.dtype())?;
             if !x.device().same_device(self.device()) {
                 bail!(
                     "kv cache {op}: {name} is on {:?}, the cache is on {:?}",
@@ -293,6 +337,13 @@ impl KvCache {
                     self.device().location()
                 )
             }
+        }
+        if k.dtype() != v.dtype() {
+            bail!(
+                "kv cache {op}: k and v must have the same dtype, got {:?} and {:?}",
+                k.dtype(),
+                v.dtype()
+            )
         }
         if k.dims() != v.dims() {
             bail!(
@@ -303,11 +354,6 @@ impl KvCache {
         }
         Ok(k.dims()[1])
     }
-}
-
-/// `(b, t, h, d)` → contiguous `(b, h, t, d)`, the storage layout (a copy of the new rows only).
-fn head_major(x: &Tensor) -> Result<Tensor> {
-    x.transpose(1, 2)?.contiguous()
 }
 
 #[cfg(test)]
@@ -324,6 +370,8 @@ mod tests {
             max_capacity: max,
             dtype: DType::F32,
             device: Device::Cpu,
+            k_scale: 1.0,
+            v_scale: 1.0,
         }
     }
 

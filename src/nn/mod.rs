@@ -4,3 +4,4 @@
 pub mod attention;
 pub mod cache;
 pub mod fused_linear;
+mod stored_kv;

@@ -142,3 +142,47 @@ fn gpu_fused_decode_is_as_close_to_cpu_as_unfused() -> Result<()> {
     );
     Ok(())
 }
+
+/// The GPU model with an fp8 (e4m3) cache against the same model with a bf16 cache, teacher
+/// forced on the bf16 model's greedy tokens: the cache is filled and read on the device (the
+/// crate's conversion, the fp8 tensor-core kernels, the prefill over dequantized K/V). The logits
+/// stay within 2^-3 of their size (e4m3 rounding moves each stored key and value by at most 2^-4
+/// of itself; see tests/llama_fp8_cache.rs for the bound).
+#[test]
+fn gpu_fp8_cache_stays_close_to_bf16() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    write_tiny_model(dir.path())?;
+    let load = |cache_dtype| -> Result<Llama> {
+        let options = LoadOptions {
+            dtype: Some(DType::BF16),
+            cache_dtype: Some(cache_dtype),
+            ..Default::default()
+        };
+        Ok(Llama::load_with(dir.path(), &gpu, options)?.model)
+    };
+    let (mut bf16, mut fp8) = (load(DType::BF16)?, load(DType::F8E4M3)?);
+    let mut rng = StdRng::seed_from_u64(41);
+    let prompt: Vec<u32> = (0..300)
+        .map(|_| rng.random_range(3..VOCAB as u32))
+        .collect();
+    let as_f32 = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let mut want = as_f32(&bf16.forward(&prompt)?)?;
+    let mut got = as_f32(&fp8.forward(&prompt)?)?;
+    let (mut worst, mut scale, mut same) = (0f32, 0f32, 0);
+    for _ in 0..16 {
+        let diff = (&want - &got)?.abs()?.max(D::Minus1)?.to_scalar::<f32>()?;
+        worst = worst.max(diff);
+        scale = scale.max(want.abs()?.max(D::Minus1)?.to_scalar::<f32>()?);
+        let (next, _) = greedy(&want)?;
+        same += usize::from(greedy(&got)?.0 == next);
+        want = as_f32(&bf16.forward(&[next])?)?;
+        got = as_f32(&fp8.forward(&[next])?)?;
+    }
+    println!("fp8 cache on the GPU: max |logit diff| {worst:.3e} (logits up to {scale:.2}); {same} of 16 greedy tokens as bf16");
+    assert!(
+        worst.is_finite() && worst <= scale / 8.0,
+        "logits moved by {worst}"
+    );
+    Ok(())
+}

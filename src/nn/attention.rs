@@ -291,12 +291,23 @@ impl KvScales {
 }
 
 /// q as the op takes it over K/V stored in `kv_dtype`: in that dtype, except over fp8 K/V,
-/// which the op reads under q as it is (f32, f16 or bf16).
+/// which the op reads under q as it is (f32, f16 or bf16), or under an f16 q on CUDA, whose
+/// fp8 kernels multiply in f16 whatever q is.
 fn op_query(q: &Tensor, kv_dtype: DType) -> Result<Tensor> {
-    if kv_dtype == DType::F8E4M3 {
-        Ok(q.clone())
+    match kv_dtype {
+        DType::F8E4M3 if q.dtype() == DType::F32 && q.device().is_cuda() => q.to_dtype(DType::F16),
+        DType::F8E4M3 => Ok(q.clone()),
+        _ => q.to_dtype(kv_dtype),
+    }
+}
+
+/// Stored keys or values as f32, unscaled: fp8 through the crate's conversion, which, unlike
+/// candle's cast, also runs on CUDA.
+fn stored_f32(x: &Tensor) -> Result<Tensor> {
+    if x.dtype() == DType::F8E4M3 {
+        crate::fp8::dequantize_e4m3(x, 1.0, DType::F32)
     } else {
-        q.to_dtype(kv_dtype)
+        x.to_dtype(DType::F32)
     }
 }
 
@@ -335,8 +346,8 @@ fn blocked_causal(
         .transpose(1, 2)?
         .contiguous()?;
     // Head-major views of the cache; `to_dtype` copies only when the cache is not f32.
-    let k = k_all.transpose(1, 2)?.to_dtype(DType::F32)?;
-    let v = v_all.transpose(1, 2)?.to_dtype(DType::F32)?;
+    let k = stored_f32(&k_all.transpose(1, 2)?)?;
+    let v = stored_f32(&v_all.transpose(1, 2)?)?;
     let device = q.device();
     let neg_inf = Tensor::new(f32::NEG_INFINITY, device)?;
 
@@ -404,10 +415,8 @@ fn naive(
     let kv_len = k_all.dim(1)?;
     let group = q_heads / k_all.dim(2)?;
     let q = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
-    let k = repeat_kv(&k_all.transpose(1, 2)?, group)?.to_dtype(DType::F32)?;
-    let v = repeat_kv(&v_all.transpose(1, 2)?, group)?
-        .to_dtype(DType::F32)?
-        .contiguous()?;
+    let k = repeat_kv(&stored_f32(&k_all.transpose(1, 2)?)?, group)?;
+    let v = repeat_kv(&stored_f32(&v_all.transpose(1, 2)?)?, group)?.contiguous()?;
     let scores = (q.matmul(&k.t()?)? * (f64::from(scale) * f64::from(kv_scales.k)))?;
     let scores = if t > 1 {
         let cols = Tensor::arange(0u32, kv_len as u32, q.device())?.reshape((1, kv_len))?;

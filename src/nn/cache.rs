@@ -83,8 +83,8 @@ impl KvCache {
                  max_capacity ({max_capacity}) must all be at least 1"
             )
         }
-        let k_form = StoredForm::new(dtype, k_scale, "k_scale", device)?;
-        let v_form = StoredForm::new(dtype, v_scale, "v_scale", device)?;
+        let k_form = StoredForm::new(dtype, k_scale, "k_scale")?;
+        let v_form = StoredForm::new(dtype, v_scale, "v_scale")?;
         let capacity = initial_capacity.clamp(1, max_capacity);
         let k = Tensor::zeros((batch, kv_heads, capacity, head_dim), dtype, device)?;
         let v = k.zeros_like()?;

@@ -1,13 +1,12 @@
 //! How a [`KvCache`](super::cache::KvCache) stores real keys or values: in its dtype, divided by
-//! a per-tensor scale, and for fp8 (e4m3) saturated to the finite range first.
+//! a per-tensor scale, and for fp8 (e4m3) saturated to the finite range.
 //!
-//! The real value is the stored one times the scale. e4m3 has no infinities and turns overflow
-//! into NaN, so writes clamp to ±[`E4M3_MAX`] before the cast instead of relying on the cast.
+//! The real value is the stored one times the scale. e4m3 has no infinities, so fp8 writes go
+//! through [`crate::fp8::quantize_e4m3`], which saturates at ±[`E4M3_MAX`] on every device.
 
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
-/// The largest finite e4m3 value: fp8 K/V saturate at ±`E4M3_MAX` times their scale.
-pub const E4M3_MAX: f32 = 448.0;
+pub use crate::fp8::E4M3_MAX;
 
 /// The dtypes a KV cache may store keys and values in.
 pub const CACHE_DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F8E4M3];
@@ -57,56 +56,40 @@ fn dtype_list(dtypes: &[DType]) -> String {
 pub(crate) struct StoredForm {
     dtype: DType,
     scale: f32,
-    /// −[`E4M3_MAX`] and +[`E4M3_MAX`] as f32 scalars on the cache's device, for fp8 only: made
-    /// once, so that a write does not copy them to the device every time.
-    saturation: Option<(Tensor, Tensor)>,
 }
 
 impl StoredForm {
     /// Checks `dtype` and `scale` (named `scale_name` in errors).
-    pub fn new(dtype: DType, scale: f32, scale_name: &str, device: &Device) -> Result<Self> {
+    pub fn new(dtype: DType, scale: f32, scale_name: &str) -> Result<Self> {
         check_cache_dtype(dtype)?;
         check_scale(scale_name, scale)?;
-        let saturation = if dtype == DType::F8E4M3 {
-            Some((
-                Tensor::new(-E4M3_MAX, device)?,
-                Tensor::new(E4M3_MAX, device)?,
-            ))
-        } else {
-            None
-        };
-        Ok(Self {
-            dtype,
-            scale,
-            saturation,
-        })
+        Ok(Self { dtype, scale })
     }
 
     pub fn scale(&self) -> f32 {
         self.scale
     }
 
-    /// `x / scale`, saturated for fp8, in the stored dtype. With scale 1 and a dtype that does
-    /// not saturate this is the plain cast (nothing at all when `x` is in the stored dtype).
+    /// `x / scale` in the stored dtype, saturated for fp8. With scale 1 this is the plain cast
+    /// (nothing at all when `x` is in the stored dtype).
     pub fn store(&self, x: &Tensor) -> Result<Tensor> {
-        if self.scale == 1.0 && self.saturation.is_none() {
+        if self.dtype == DType::F8E4M3 {
+            return crate::fp8::quantize_e4m3(x, self.scale);
+        }
+        if self.scale == 1.0 {
             return x.to_dtype(self.dtype);
         }
         // In f32: scaling a 16-bit input in its own dtype would round the scale to 8 or 11 bits.
-        let mut x = x.to_dtype(DType::F32)?;
-        if self.scale != 1.0 {
-            x = x.affine(1.0 / f64::from(self.scale), 0.0)?;
-        }
-        if let Some((low, high)) = &self.saturation {
-            x = x.broadcast_maximum(low)?.broadcast_minimum(high)?;
-        }
-        x.to_dtype(self.dtype)
+        x.to_dtype(DType::F32)?
+            .affine(1.0 / f64::from(self.scale), 0.0)?
+            .to_dtype(self.dtype)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     fn stored_f32(form: &StoredForm, values: &[f32]) -> Result<Vec<f32>> {
         let x = Tensor::new(values, &Device::Cpu)?;
@@ -114,20 +97,8 @@ mod tests {
     }
 
     #[test]
-    fn the_cpu_cast_keeps_the_saturated_bounds_exact() -> Result<()> {
-        // The clamp hands the cast exactly ±448; the cast must keep them (finite, not NaN).
-        let bounds = Tensor::new(&[-E4M3_MAX, E4M3_MAX], &Device::Cpu)?;
-        let back = bounds
-            .to_dtype(DType::F8E4M3)?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?;
-        assert_eq!(back, [-E4M3_MAX, E4M3_MAX]);
-        Ok(())
-    }
-
-    #[test]
     fn fp8_saturates_and_infinities_become_the_bound() -> Result<()> {
-        let form = StoredForm::new(DType::F8E4M3, 1.0, "k_scale", &Device::Cpu)?;
+        let form = StoredForm::new(DType::F8E4M3, 1.0, "k_scale")?;
         let got = stored_f32(
             &form,
             &[1e6, -1e6, f32::INFINITY, f32::NEG_INFINITY, 449.0, 1.0],
@@ -138,7 +109,7 @@ mod tests {
 
     #[test]
     fn unit_scale_in_the_stored_dtype_is_untouched() -> Result<()> {
-        let form = StoredForm::new(DType::F32, 1.0, "k_scale", &Device::Cpu)?;
+        let form = StoredForm::new(DType::F32, 1.0, "k_scale")?;
         let x = Tensor::new(&[1.5f32, -2.25], &Device::Cpu)?;
         let stored = form.store(&x)?;
         // The same tensor: no copy, no op.
@@ -148,10 +119,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_dtypes_and_scales() {
-        let err = StoredForm::new(DType::U8, 1.0, "k_scale", &Device::Cpu).unwrap_err();
+        let err = StoredForm::new(DType::U8, 1.0, "k_scale").unwrap_err();
         assert!(err.to_string().contains("f32, f16, bf16, f8e4m3"), "{err}");
         for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
-            let err = StoredForm::new(DType::F8E4M3, bad, "v_scale", &Device::Cpu).unwrap_err();
+            let err = StoredForm::new(DType::F8E4M3, bad, "v_scale").unwrap_err();
             assert!(err.to_string().contains("v_scale must be finite"), "{err}");
         }
     }

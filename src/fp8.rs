@@ -15,7 +15,8 @@ use half::{bf16, f16};
 pub const E4M3_MAX: f32 = 448.0;
 
 /// `x / scale` in fp8 (e4m3), rounded to nearest even and saturated at ±448, so that no finite
-/// value turns into NaN (NaN stays NaN). `x` is f32, f16 or bf16; `scale` finite and positive.
+/// value turns into NaN (NaN stays NaN). `x` is f32, f16 or bf16, any view (on CUDA of up to
+/// four dims); `scale` finite and positive. The result is contiguous.
 pub fn quantize_e4m3(x: &Tensor, scale: f32) -> Result<Tensor> {
     check_scale(scale)?;
     if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
@@ -24,13 +25,14 @@ pub fn quantize_e4m3(x: &Tensor, scale: f32) -> Result<Tensor> {
             x.dtype()
         )
     }
-    x.contiguous()?.apply_op1_no_bwd(&Convert {
+    on_device(x)?.apply_op1_no_bwd(&Convert {
         scale,
         to: DType::F8E4M3,
     })
 }
 
-/// The real values of fp8 (e4m3) `x`: stored × `scale`, as `dtype` (f32, f16 or bf16).
+/// The real values of fp8 (e4m3) `x` (any view; on CUDA of up to four dims): stored × `scale`,
+/// as `dtype` (f32, f16 or bf16), contiguous.
 pub fn dequantize_e4m3(x: &Tensor, scale: f32, dtype: DType) -> Result<Tensor> {
     check_scale(scale)?;
     if x.dtype() != DType::F8E4M3 {
@@ -39,8 +41,7 @@ pub fn dequantize_e4m3(x: &Tensor, scale: f32, dtype: DType) -> Result<Tensor> {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         bail!("dequantize_e4m3: the result must be f32, f16 or bf16, got {dtype:?}")
     }
-    x.contiguous()?
-        .apply_op1_no_bwd(&Convert { scale, to: dtype })
+    on_device(x)?.apply_op1_no_bwd(&Convert { scale, to: dtype })
 }
 
 fn check_scale(scale: f32) -> Result<()> {
@@ -56,15 +57,47 @@ struct Convert {
     to: DType,
 }
 
-fn quantize<T: Copy + Sync>(src: &[T], scale: f32, to_f32: fn(T) -> f32) -> Vec<F8E4M3> {
-    // F8E4M3::from_f32 rounds to nearest even and saturates finite values at ±448.
-    src.iter()
-        .map(|&x| F8E4M3::from_f32(to_f32(x) / scale))
-        .collect()
+/// The elements of `src` seen through `layout`, which [`on_device`] made contiguous on the CPU.
+fn elements<'a, T>(src: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(&src[start..end]),
+        None => bail!("fp8 conversion: the CPU input must be contiguous"),
+    }
 }
 
-fn dequantize<T>(src: &[F8E4M3], scale: f32, from_f32: fn(f32) -> T) -> Vec<T> {
-    src.iter().map(|x| from_f32(x.to_f32() * scale)).collect()
+fn quantize<T: Copy>(
+    src: &[T],
+    layout: &Layout,
+    scale: f32,
+    to_f32: fn(T) -> f32,
+) -> Result<Vec<F8E4M3>> {
+    // F8E4M3::from_f32 rounds to nearest even and saturates finite values at ±448.
+    Ok(elements(src, layout)?
+        .iter()
+        .map(|&x| F8E4M3::from_f32(to_f32(x) / scale))
+        .collect())
+}
+
+fn dequantize<T>(
+    src: &[F8E4M3],
+    layout: &Layout,
+    scale: f32,
+    from_f32: fn(f32) -> T,
+) -> Result<Vec<T>> {
+    Ok(elements(src, layout)?
+        .iter()
+        .map(|x| from_f32(x.to_f32() * scale))
+        .collect())
+}
+
+/// `x` as the conversion reads it: any view on CUDA, whose kernels take strides; contiguous on
+/// the CPU, where candle's copy handles every dtype.
+fn on_device(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        x.contiguous()
+    } else {
+        Ok(x.clone())
+    }
 }
 
 impl CustomOp1 for Convert {
@@ -73,28 +106,21 @@ impl CustomOp1 for Convert {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("fp8 conversion: the input must be contiguous")
-        };
-        let s = self.scale;
+        let (s, l) = (self.scale, layout);
         let out = match (storage, self.to) {
-            (CpuStorage::F32(x), DType::F8E4M3) => {
-                CpuStorage::F8E4M3(quantize(&x[start..end], s, |x| x))
-            }
+            (CpuStorage::F32(x), DType::F8E4M3) => CpuStorage::F8E4M3(quantize(x, l, s, |x| x)?),
             (CpuStorage::F16(x), DType::F8E4M3) => {
-                CpuStorage::F8E4M3(quantize(&x[start..end], s, f16::to_f32))
+                CpuStorage::F8E4M3(quantize(x, l, s, f16::to_f32)?)
             }
             (CpuStorage::BF16(x), DType::F8E4M3) => {
-                CpuStorage::F8E4M3(quantize(&x[start..end], s, bf16::to_f32))
+                CpuStorage::F8E4M3(quantize(x, l, s, bf16::to_f32)?)
             }
-            (CpuStorage::F8E4M3(x), DType::F32) => {
-                CpuStorage::F32(dequantize(&x[start..end], s, |x| x))
-            }
+            (CpuStorage::F8E4M3(x), DType::F32) => CpuStorage::F32(dequantize(x, l, s, |x| x)?),
             (CpuStorage::F8E4M3(x), DType::F16) => {
-                CpuStorage::F16(dequantize(&x[start..end], s, f16::from_f32))
+                CpuStorage::F16(dequantize(x, l, s, f16::from_f32)?)
             }
             (CpuStorage::F8E4M3(x), DType::BF16) => {
-                CpuStorage::BF16(dequantize(&x[start..end], s, bf16::from_f32))
+                CpuStorage::BF16(dequantize(x, l, s, bf16::from_f32)?)
             }
             (x, to) => bail!("fp8 conversion: {:?} to {to:?} is not supported", x.dtype()),
         };

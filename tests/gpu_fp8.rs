@@ -330,3 +330,29 @@ fn gpu_fp8_conversions_match_cpu() -> Result<()> {
     }
     Ok(())
 }
+
+/// Strided views convert as their contiguous copies do: a cache's transposed K/V, read back by
+/// the prefill paths, and a narrowed input.
+#[test]
+fn gpu_fp8_conversions_take_strided_views() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let x = Tensor::randn(0f32, 1.0, (2, 3, 50, 16), &dev)?.to_dtype(DType::BF16)?;
+    let stored = quantize_e4m3(&x, 0.5)?;
+    let view = stored.narrow(2, 5, 40)?.transpose(1, 2)?;
+    assert!(!view.is_contiguous());
+    let got = host_f64(&dequantize_e4m3(&view, 0.5, DType::F32)?)?;
+    let cpu_view = stored
+        .to_device(&Device::Cpu)?
+        .narrow(2, 5, 40)?
+        .transpose(1, 2)?;
+    let want = host_f64(&dequantize_e4m3(&cpu_view, 0.5, DType::F32)?)?;
+    assert_eq!(got, want);
+    let wide = x.narrow(3, 4, 8)?;
+    let got = quantize_e4m3(&wide, 0.5)?.to_device(&Device::Cpu)?;
+    let want = quantize_e4m3(&wide.to_device(&Device::Cpu)?, 0.5)?;
+    assert_eq!(
+        host_f64(&dequantize_e4m3(&got, 1.0, DType::F32)?)?,
+        host_f64(&dequantize_e4m3(&want, 1.0, DType::F32)?)?
+    );
+    Ok(())
+}

@@ -10,7 +10,6 @@ use candle_core::{bail, CpuStorage, Device, Layout, Result};
 use float8::F8E4M3;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
-use std::sync::OnceLock;
 
 use super::call::DecodeCall;
 use super::merge::{merge_normalised, MergeState};
@@ -64,20 +63,33 @@ impl Element for bf16 {
     }
 }
 
-/// Every e4m3 bit pattern as f32, computed once: a table lookup per element keeps the widening
-/// of fp8 rows as cheap as that of the 16-bit types.
-fn e4m3_to_f32() -> &'static [f32; 256] {
-    static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|bits| F8E4M3::from_bits(bits as u8).to_f32()))
+/// One e4m3 value as f32, exactly, in branch-free integer steps that the compiler vectorizes
+/// (a table lookup per element is a scalar gather). The exponent and mantissa bits move into an
+/// f32 whose exponent is offset by 120, which keeps every result a normal f32: subnormal e4m3
+/// values (exponent 0) are built as 2^-6 · (1 + m/8) and lose the implicit 2^-6 by subtraction.
+#[inline(always)]
+fn e4m3_to_f32(bits: u8) -> f32 {
+    let bits = u32::from(bits);
+    let magnitude = bits & 0x7f;
+    let subnormal = magnitude < 0x08;
+    let exponent_fix = if subnormal { 1 << 23 } else { 0 };
+    let value = f32::from_bits((magnitude << 20) + (120 << 23) + exponent_fix)
+        - if subnormal { 1.0 / 64.0 } else { 0.0 };
+    let value = f32::from_bits(value.to_bits() | ((bits & 0x80) << 24));
+    // 0x7f and 0xff are e4m3's NaNs (it has no infinities).
+    if magnitude == 0x7f {
+        f32::NAN
+    } else {
+        value
+    }
 }
 
 impl Element for F8E4M3 {
     const ZERO: Self = F8E4M3::ZERO;
     #[inline]
     fn row_f32<'a>(src: &'a [F8E4M3], buf: &'a mut [f32]) -> &'a [f32] {
-        let table = e4m3_to_f32();
         for (dst, &x) in buf.iter_mut().zip(src) {
-            *dst = table[usize::from(x.to_bits())];
+            *dst = e4m3_to_f32(x.to_bits());
         }
         buf
     }
@@ -567,5 +579,17 @@ mod tests {
             worst < 1e-5,
             "portable and dispatched loops differ by {worst}"
         );
+    }
+
+    #[test]
+    fn e4m3_widening_is_exact_for_every_bit_pattern() {
+        for bits in 0..=255u8 {
+            let want = F8E4M3::from_bits(bits).to_f32();
+            let got = super::e4m3_to_f32(bits);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#04x}: {got} against {want}"
+            );
+        }
     }
 }

@@ -7,7 +7,7 @@
 //! does not define, so they fail; these ops run on both devices, with one rounding rule.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, InplaceOp2, Layout, Result, Shape, Tensor};
 use float8::F8E4M3;
 use half::{bf16, f16};
 
@@ -44,11 +44,121 @@ pub fn dequantize_e4m3(x: &Tensor, scale: f32, dtype: DType) -> Result<Tensor> {
     on_device(x)?.apply_op1_no_bwd(&Convert { scale, to: dtype })
 }
 
+/// Writes `x / scale` in fp8 (e4m3), rounded and saturated as [`quantize_e4m3`] does, into `dst`
+/// in place: an fp8 view of `x`'s shape (say a cache's slot for new rows), whose storage it
+/// shares. One pass, where quantizing and then copying into the slot would take two.
+pub fn quantize_e4m3_into(dst: &Tensor, x: &Tensor, scale: f32) -> Result<()> {
+    check_scale(scale)?;
+    if dst.dtype() != DType::F8E4M3 {
+        bail!(
+            "quantize_e4m3_into: dst must be f8e4m3, got {:?}",
+            dst.dtype()
+        )
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        bail!(
+            "quantize_e4m3_into: x must be f32, f16 or bf16, got {:?}",
+            x.dtype()
+        )
+    }
+    if dst.dims() != x.dims() {
+        bail!(
+            "quantize_e4m3_into: dst {:?} and x {:?} must have one shape",
+            dst.dims(),
+            x.dims()
+        )
+    }
+    if !dst.device().same_device(x.device()) {
+        bail!("quantize_e4m3_into: dst and x must be on one device")
+    }
+    dst.inplace_op2(x, &QuantizeInto { scale })
+}
+
 fn check_scale(scale: f32) -> Result<()> {
     if !(scale.is_finite() && scale > 0.0) {
         bail!("fp8 scale must be finite and positive, got {scale}")
     }
     Ok(())
+}
+
+/// The storage offsets of `layout`'s elements, in row-major order.
+fn offsets(layout: &Layout) -> Vec<usize> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let count = layout.shape().elem_count();
+    let mut out = Vec::with_capacity(count);
+    let mut index = vec![0; dims.len()];
+    let mut at = layout.start_offset();
+    for _ in 0..count {
+        out.push(at);
+        for d in (0..dims.len()).rev() {
+            index[d] += 1;
+            at += strides[d];
+            if index[d] < dims[d] {
+                break;
+            }
+            at -= strides[d] * dims[d];
+            index[d] = 0;
+        }
+    }
+    out
+}
+
+/// [`quantize_e4m3_into`]'s in-place write.
+struct QuantizeInto {
+    scale: f32,
+}
+
+fn quantize_at<T: Copy>(
+    dst: &mut [F8E4M3],
+    dst_layout: &Layout,
+    src: &[T],
+    src_layout: &Layout,
+    scale: f32,
+    to_f32: fn(T) -> f32,
+) {
+    for (d, s) in offsets(dst_layout).into_iter().zip(offsets(src_layout)) {
+        dst[d] = F8E4M3::from_f32(to_f32(src[s]) / scale);
+    }
+}
+
+impl InplaceOp2 for QuantizeInto {
+    fn name(&self) -> &'static str {
+        "fp8-e4m3-quantize-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let CpuStorage::F8E4M3(dst) = s1 else {
+            bail!("quantize_e4m3_into: dst must be f8e4m3")
+        };
+        let s = self.scale;
+        match s2 {
+            CpuStorage::F32(x) => quantize_at(dst, l1, x, l2, s, |x| x),
+            CpuStorage::F16(x) => quantize_at(dst, l1, x, l2, s, f16::to_f32),
+            CpuStorage::BF16(x) => quantize_at(dst, l1, x, l2, s, bf16::to_f32),
+            other => bail!(
+                "quantize_e4m3_into: x must be f32, f16 or bf16, got {:?}",
+                other.dtype()
+            ),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        crate::cuda::fp8_convert::quantize_into(s1, l1, s2, l2, self.scale)
+    }
 }
 
 /// One conversion: to fp8 from the input's dtype, or from fp8 to `to`.
@@ -178,6 +288,32 @@ mod tests {
         assert!(dequantize_e4m3(&x, 1.0, DType::F32).is_err());
         let q = quantize_e4m3(&x, 1.0)?;
         assert!(dequantize_e4m3(&q, 1.0, DType::U8).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn quantize_into_writes_only_its_view() -> Result<()> {
+        let cache = quantize_e4m3(
+            &Tensor::zeros((2, 3, 10, 4), DType::F32, &Device::Cpu)?,
+            1.0,
+        )?;
+        let rows = Tensor::randn(0f32, 1.0, (2, 2, 3, 4), &Device::Cpu)?;
+        quantize_e4m3_into(&cache.narrow(2, 5, 2)?, &rows.transpose(1, 2)?, 0.5)?;
+        let back = dequantize_e4m3(&cache, 0.5, DType::F32)?;
+        let want = dequantize_e4m3(
+            &quantize_e4m3(&rows.transpose(1, 2)?, 0.5)?,
+            0.5,
+            DType::F32,
+        )?;
+        let diff = (back.narrow(2, 5, 2)? - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
+        let rest = (back.narrow(2, 0, 5)?.abs()?.sum_all()?.to_scalar::<f32>()?)
+            + back.narrow(2, 7, 3)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+        assert_eq!(rest, 0.0);
+        assert!(quantize_e4m3_into(&cache.narrow(2, 0, 3)?, &rows, 1.0).is_err());
         Ok(())
     }
 }

@@ -38,7 +38,7 @@ mod op;
 pub mod summarize;
 
 pub use device_memory::retain_freed_device_memory;
-pub use fp8::{dequantize_e4m3, quantize_e4m3, E4M3_MAX};
+pub use fp8::{dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, E4M3_MAX};
 pub use nn::attention::{self, cached_attention, AttentionBackend, CachedAttention};
 pub use nn::cache::{self, KvCache, KvCacheConfig};
 pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, LinearOutput};

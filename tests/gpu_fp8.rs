@@ -9,8 +9,8 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{
-    dequantize_e4m3, quantize_e4m3, CudaKernel, SplitKvAttention, MAX_QUERY_TOKENS,
-    SUPPORTED_HEAD_DIMS,
+    dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, CudaKernel, SplitKvAttention,
+    MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS,
 };
 use common::{assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference};
 
@@ -354,5 +354,23 @@ fn gpu_fp8_conversions_take_strided_views() -> Result<()> {
         host_f64(&dequantize_e4m3(&got, 1.0, DType::F32)?)?,
         host_f64(&dequantize_e4m3(&want, 1.0, DType::F32)?)?
     );
+    Ok(())
+}
+
+/// New rows written straight into a cache slot (a strided fp8 view) hold the CPU's bytes, and
+/// nothing outside the slot changes.
+#[test]
+fn gpu_fp8_quantize_into_a_cache_slot() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let start = (Tensor::randn(0f32, 1.0, (2, 3, 40, 64), &cpu)? * 10.0)?;
+    let rows = (Tensor::randn(0f32, 1.0, (2, 5, 3, 64), &cpu)? * 100.0)?.to_dtype(DType::BF16)?;
+    let on_cpu = quantize_e4m3(&start, 0.25)?;
+    let on_gpu = quantize_e4m3(&start.to_device(&dev)?, 0.25)?;
+    quantize_e4m3_into(&on_cpu.narrow(2, 17, 5)?, &rows.transpose(1, 2)?, 0.25)?;
+    let gpu_rows = rows.to_device(&dev)?;
+    quantize_e4m3_into(&on_gpu.narrow(2, 17, 5)?, &gpu_rows.transpose(1, 2)?, 0.25)?;
+    let back = |t: &Tensor| host_f64(&dequantize_e4m3(t, 1.0, DType::F32)?);
+    assert_eq!(back(&on_gpu)?, back(&on_cpu)?);
     Ok(())
 }

@@ -202,25 +202,19 @@ impl KvCache {
         let t = self.check_new("append", k_new, v_new, self.batch())?;
         let needed = self.len() + t;
         self.reserve(needed)?;
-        let (k_new, v_new) = self.stored_rows(k_new, v_new)?;
         if self.is_uniform() {
             let at = self.len();
-            self.k.slice_set(&k_new, 2, at)?;
-            self.v.slice_set(&v_new, 2, at)?;
+            self.k_form.write(&self.k, at, k_new)?;
+            self.v_form.write(&self.v, at, v_new)?;
         } else {
             for (seq, &at) in self.seq_lens.iter().enumerate() {
-                // Narrowing the batch dim of contiguous storage keeps it contiguous, so
-                // `slice_set` writes straight into this sequence's rows.
-                self.k.narrow(0, seq, 1)?.slice_set(
-                    &k_new.narrow(0, seq, 1)?.contiguous()?,
-                    2,
-                    at,
-                )?;
-                self.v.narrow(0, seq, 1)?.slice_set(
-                    &v_new.narrow(0, seq, 1)?.contiguous()?,
-                    2,
-                    at,
-                )?;
+                // Narrowing the batch dim of contiguous storage keeps it contiguous, so the
+                // write goes straight into this sequence's rows.
+                let rows = |x: &Tensor| x.narrow(0, seq, 1);
+                self.k_form
+                    .write(&self.k.narrow(0, seq, 1)?, at, &rows(k_new)?)?;
+                self.v_form
+                    .write(&self.v.narrow(0, seq, 1)?, at, &rows(v_new)?)?;
             }
         }
         self.seq_lens.iter_mut().for_each(|len| *len += t);
@@ -245,9 +239,8 @@ impl KvCache {
         let t = self.check_new("append_to", k_new, v_new, 1)?;
         let at = self.seq_lens[seq];
         self.reserve(at + t)?;
-        let (k_new, v_new) = self.stored_rows(k_new, v_new)?;
-        self.k.narrow(0, seq, 1)?.slice_set(&k_new, 2, at)?;
-        self.v.narrow(0, seq, 1)?.slice_set(&v_new, 2, at)?;
+        self.k_form.write(&self.k.narrow(0, seq, 1)?, at, k_new)?;
+        self.v_form.write(&self.v.narrow(0, seq, 1)?, at, v_new)?;
         self.seq_lens[seq] += t;
         self.sequence_views(seq)
     }
@@ -302,13 +295,6 @@ impl KvCache {
         self.k = grow(&self.k)?;
         self.v = grow(&self.v)?;
         Ok(())
-    }
-
-    /// New keys and values `(b, t, h, d)` as stored: contiguous `(b, h, t, d)` in the cache's
-    /// dtype (a copy of the new rows only).
-    fn stored_rows(&self, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
-        let stored = |form: &StoredForm, x: &Tensor| form.store(&x.transpose(1, 2)?)?.contiguous();
-        Ok((stored(&self.k_form, k_new)?, stored(&self.v_form, v_new)?))
     }
 
     /// Checks new keys/values against the cache; returns their number of positions.

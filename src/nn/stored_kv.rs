@@ -70,6 +70,18 @@ impl StoredForm {
         self.scale
     }
 
+    /// Writes the real rows `x` `(b, t, h, d)` into `buffer` `(b, h, capacity, d)` (contiguous)
+    /// at positions `at..at + t`: for fp8 straight into the slot in one pass, otherwise stored
+    /// and copied in.
+    pub fn write(&self, buffer: &Tensor, at: usize, x: &Tensor) -> Result<()> {
+        let rows = x.transpose(1, 2)?;
+        if self.dtype == DType::F8E4M3 {
+            let slot = buffer.narrow(2, at, rows.dim(2)?)?;
+            return crate::fp8::quantize_e4m3_into(&slot, &rows, self.scale);
+        }
+        buffer.slice_set(&self.store(&rows)?.contiguous()?, 2, at)
+    }
+
     /// `x / scale` in the stored dtype, saturated for fp8. With scale 1 this is the plain cast
     /// (nothing at all when `x` is in the stored dtype).
     pub fn store(&self, x: &Tensor) -> Result<Tensor> {

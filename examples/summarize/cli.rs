@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use candle_splitkv::models::llama::{WeightForm, WeightFormPolicy};
 use clap::{Parser, ValueEnum};
 
 pub use crate::kv_dtype::KvDtypeArg;
@@ -36,6 +37,12 @@ pub struct Args {
     /// model's dtype (f32 on the CPU and for GGUF models).
     #[arg(long, value_enum, value_name = "DTYPE")]
     pub kv_dtype: Option<KvDtypeArg>,
+
+    /// The form quantized weights are multiplied in. `measure` times the candidates at load and
+    /// keeps the fastest, so on a busy machine two runs may pick different forms, whose
+    /// roundings differ; a fixed form makes greedy output reproducible from run to run.
+    #[arg(long, value_enum, default_value_t = WeightFormArg::Measure)]
+    pub weight_form: WeightFormArg,
 
     /// The most tokens of the final summary; summaries of chunks get half as many.
     #[arg(long, default_value_t = 200)]
@@ -80,6 +87,30 @@ pub struct Args {
 pub enum DeviceArg {
     Cpu,
     Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WeightFormArg {
+    /// Time the candidates on the CPU and keep the fastest; as stored on a GPU.
+    Measure,
+    /// The GGUF storage type.
+    AsStored,
+    /// Requantized to Q8_0.
+    #[value(name = "q8-0")]
+    Q8_0,
+    /// Dequantized to dense f32.
+    DenseF32,
+}
+
+impl WeightFormArg {
+    pub fn policy(self) -> WeightFormPolicy {
+        match self {
+            Self::Measure => WeightFormPolicy::Measure,
+            Self::AsStored => WeightFormPolicy::Fixed(WeightForm::AsStored),
+            Self::Q8_0 => WeightFormPolicy::Fixed(WeightForm::Q8_0),
+            Self::DenseF32 => WeightFormPolicy::Fixed(WeightForm::DenseF32),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

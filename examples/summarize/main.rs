@@ -79,6 +79,7 @@ fn run(args: &Args) -> Result<()> {
     let options = LoadOptions {
         backend,
         cache_dtype: args.kv_dtype.map(|kv| kv.dtype()),
+        weight_forms: args.weight_form.policy(),
         ..LoadOptions::default()
     };
     let loaded = match Llama::load_with(&model_path, &device, options) {

@@ -4,11 +4,9 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::{SplitKvAttention, SUPPORTED_HEAD_DIMS};
+use candle_splitkv::{SplitKvAttention, E4M3_MAX, SUPPORTED_HEAD_DIMS};
 use common::{assert_close, assert_lse_close, host_f64, reference};
 
-/// The largest finite e4m3 value.
-const E4M3_MAX: f64 = 448.0;
 /// e4m3's unit roundoff (3 mantissa bits), and half the spacing of its subnormals: the most a
 /// value within range moves when rounded to it, relatively and absolutely.
 const E4M3_UNIT_ROUNDOFF: f64 = 1.0 / 16.0;
@@ -26,7 +24,7 @@ fn quantize(x: &Tensor) -> Result<(Tensor, f32, Tensor)> {
         .max_all()?
         .to_dtype(DType::F64)?
         .to_scalar::<f64>()?;
-    let scale = (max / E4M3_MAX) as f32;
+    let scale = (max / f64::from(E4M3_MAX)) as f32;
     let stored = (x / f64::from(scale))?.to_dtype(DType::F8E4M3)?;
     let real = (stored.to_dtype(DType::F32)? * f64::from(scale))?;
     Ok((stored, scale, real))

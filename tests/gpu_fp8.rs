@@ -9,13 +9,10 @@ mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{
-    dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, CudaKernel, SplitKvAttention,
+    dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, CudaKernel, SplitKvAttention, E4M3_MAX,
     MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS,
 };
 use common::{assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference};
-
-/// The largest finite e4m3 value.
-const E4M3_MAX: f64 = 448.0;
 
 /// Random `shape` in e4m3 with a per-tensor scale that maps its largest magnitude to ±448, the
 /// top of the range: the stored tensor on `dev`, the scale, and the real values (f32, on `dev`).
@@ -23,7 +20,7 @@ fn quantized(shape: (usize, usize, usize, usize), dev: &Device) -> Result<(Tenso
     // Quantized on the CPU, so that the stored bytes do not depend on a device's cast.
     let x = Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?;
     let max = x.abs()?.max_all()?.to_scalar::<f32>()?;
-    let scale = max / E4M3_MAX as f32;
+    let scale = max / E4M3_MAX;
     let stored = (x / f64::from(scale))?.to_dtype(DType::F8E4M3)?;
     let real = (stored.to_dtype(DType::F32)? * f64::from(scale))?;
     Ok((stored.to_device(dev)?, scale, real.to_device(dev)?))

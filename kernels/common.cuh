@@ -33,7 +33,26 @@ struct DecodeParams {
     int lockstep_tiles;     // tiles between the cluster barriers of the lockstep forms
     int query_tokens;       // t: query tokens per sequence, the last t positions (see query_row)
     int out_heads;          // h_q: the caller's query heads per token
+    int chunk_align;        // with seqlens: each sequence cuts its own length into num_splits
+                            // chunks of a multiple of this (chunk_size is then unused)
 };
+
+// The positions [start, end) that split `split` of a sequence of `len` cached positions streams.
+// With lengths in device memory every sequence is cut evenly by its own length, so a launch
+// planned for a longer view (a captured step over the whole cache) keeps all its splits busy.
+struct SplitRange {
+    int start, end;
+};
+
+__device__ __forceinline__ SplitRange split_range(const DecodeParams& p, int split, int len) {
+    int chunk = p.chunk_size;
+    if (p.seqlens != nullptr) {
+        const int even = (len + p.num_splits - 1) / p.num_splits;
+        chunk = max((even + p.chunk_align - 1) / p.chunk_align * p.chunk_align, 1);
+    }
+    const int start = split * chunk;
+    return {start, min(start + chunk, len)};
+}
 
 // How the splits of each (batch, kv head) merge (build.rs generates the Rust enum). With one
 // split the partial pass writes the output.

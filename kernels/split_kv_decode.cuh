@@ -62,8 +62,8 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
-    const int start = split * p.chunk_size;
-    const int end = min(start + p.chunk_size, len);
+    const SplitRange range = split_range(p, split, len);
+    const int start = range.start, end = range.end;
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
     // Below shared_end every query row sees every position; past it, row g sees up to row_end[g].
     const int shared_end = min(end, visible_end(len, 0, p.query_tokens));

@@ -210,8 +210,9 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     }
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[it.b]);
-    it.start = it.split * p.chunk_size;
-    it.end = min(it.start + p.chunk_size, len);
+    const SplitRange range = split_range(p, it.split, len);
+    it.start = range.start;
+    it.end = range.end;
     it.len = len;
     it.shared_end = min(it.end, visible_end(len, 0, p.query_tokens));
     const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;

@@ -16,7 +16,7 @@ use super::memory::poison;
 use super::planner::{self, prepare};
 use super::wide_groups::query_blocks;
 use crate::op::call::DecodeCall;
-use crate::op::plan::{SplitPlan, MAX_SPLITS};
+use crate::op::plan::{SplitPlan, CHUNK_ALIGN, MAX_SPLITS};
 use crate::op::validate::RowStrides;
 
 /// The split plan the CUDA path would use for this call, for `dtype` queries and K/V stored as
@@ -196,6 +196,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         lockstep_tiles: LOCKSTEP_TILES,
         query_tokens: call.dims.q_len as i32,
         out_heads: call.dims.q_heads as i32,
+        chunk_align: CHUNK_ALIGN as i32,
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

@@ -38,3 +38,33 @@ pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
     // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
     unsafe { result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
 }
+
+/// Writes `values` into the first elements of the u32 tensor `t` on its stream, one async
+/// memset per value: stream-ordered like a kernel, with no host buffer to stage (a copy from
+/// pageable host memory would first wait for the stream).
+pub(crate) fn set_u32s(t: &candle_core::Tensor, values: &[u32]) -> Result<()> {
+    let candle_core::Device::Cuda(dev) = t.device() else {
+        candle_core::bail!("set_u32s: the tensor is not on a CUDA device")
+    };
+    if t.dtype() != candle_core::DType::U32 || !t.is_contiguous() || t.elem_count() < values.len()
+    {
+        candle_core::bail!(
+            "set_u32s: needs a contiguous u32 tensor of at least {} elements, got {:?} {:?}",
+            values.len(),
+            t.dtype(),
+            t.dims()
+        )
+    }
+    let Some(base) = super::launch::tensor_ptr::<u32>(t, dev)? else {
+        candle_core::bail!("set_u32s: the tensor is not on a CUDA device")
+    };
+    let stream = dev.cuda_stream();
+    for (i, &value) in values.iter().enumerate() {
+        // SAFETY: element i lies inside the tensor's storage (checked above), which it holds.
+        unsafe {
+            sys::cuMemsetD32Async(base + 4 * i as u64, value, 1, stream.cu_stream()).result()
+        }
+        .w()?;
+    }
+    Ok(())
+}

@@ -5,9 +5,11 @@
 //! The op hands this side a [`DecodeCall`](crate::op::call::DecodeCall) and gets tensors back;
 //! nothing here reads the op itself.
 
+pub(crate) mod cache_write;
 mod decode;
 mod decode_kernel;
 pub(crate) mod fp8_convert;
+pub(crate) mod graph;
 pub(crate) mod kernels;
 pub(crate) mod launch;
 mod lockstep;

@@ -8,6 +8,8 @@
 //! metadata); see [`Llama::load`].
 
 mod config;
+#[cfg(feature = "cuda")]
+mod device_step;
 mod gguf;
 mod hf;
 mod joined;
@@ -19,7 +21,7 @@ use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::linear::Linear;
-use crate::nn::attention::CachedAttention;
+use crate::nn::attention::{CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
 
 pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
@@ -105,6 +107,38 @@ impl Rows {
     }
 }
 
+/// Where a pass's keys and values go in the caches: after the lengths the host counts, or at
+/// lengths held in device memory (a step that a CUDA graph can replay).
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum Positions<'a> {
+    Host(Rows),
+    Device(&'a DeviceLengths),
+}
+
+impl Positions<'_> {
+    fn rows(self) -> Rows {
+        match self {
+            Positions::Host(rows) => rows,
+            Positions::Device(_) => Rows::BySize,
+        }
+    }
+
+    /// Appends k and v to `cache` and attends q over it.
+    fn attend(
+        self,
+        attention: &CachedAttention,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        match self {
+            Positions::Host(Rows::BySize) => attention.forward(q, k, v, cache),
+            Positions::Host(Rows::AsDecode) => attention.forward_as_steps(q, k, v, cache),
+            Positions::Device(lengths) => attention.forward_at(q, k, v, cache, lengths),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct SelfAttention {
     q_proj: Linear,
@@ -124,8 +158,9 @@ impl SelfAttention {
         angles: &RopeAngles,
         attention: &CachedAttention,
         cache: &mut KvCache,
-        rows: Rows,
+        positions: Positions,
     ) -> Result<Tensor> {
+        let rows = positions.rows();
         let (b, t, _) = x.dims3()?;
         let q = rows
             .project(&self.q_proj, x)?
@@ -138,10 +173,7 @@ impl SelfAttention {
             .reshape((b, t, self.kv_heads, self.head_dim))?;
         let q = angles.apply(&q)?;
         let k = angles.apply(&k)?;
-        let y = match rows {
-            Rows::BySize => attention.forward(&q, &k, &v, cache)?,
-            Rows::AsDecode => attention.forward_as_steps(&q, &k, &v, cache)?,
-        };
+        let y = positions.attend(attention, (&q, &k, &v), cache)?;
         rows.project(
             &self.o_proj,
             &y.reshape((b, t, self.q_heads * self.head_dim))?,
@@ -181,14 +213,14 @@ impl DecoderLayer {
         angles: &RopeAngles,
         attention: &CachedAttention,
         cache: &mut KvCache,
-        rows: Rows,
+        positions: Positions,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
-        let h = self.attention.forward(&h, angles, attention, cache, rows)?;
+        let h = self.attention.forward(&h, angles, attention, cache, positions)?;
         let x = (x + h)?;
         let h = self
             .mlp
-            .forward(&self.post_attention_norm.forward(&x)?, rows)?;
+            .forward(&self.post_attention_norm.forward(&x)?, positions.rows())?;
         x + h
     }
 }
@@ -227,6 +259,19 @@ pub struct Llama {
     device: Device,
     weight_choices: Vec<WeightChoice>,
     fused_decode: bool,
+    /// Capture one-token CUDA steps as graphs (see [`Llama::set_cuda_graph`]).
+    cuda_graph: bool,
+    /// The inputs of one-token CUDA steps and their graph, from the first such step on.
+    #[cfg(feature = "cuda")]
+    device_steps: Option<DeviceSteps>,
+}
+
+/// What one-token steps on CUDA keep between calls.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone)]
+struct DeviceSteps {
+    inputs: device_step::StepInputs,
+    graph: device_step::StepGraph,
 }
 
 impl Llama {
@@ -399,12 +444,27 @@ impl Llama {
             device: device.clone(),
             weight_choices: Vec::new(),
             fused_decode: true,
+            cuda_graph: false,
+            #[cfg(feature = "cuda")]
+            device_steps: None,
         })
     }
 
     /// Runs `tokens` (one sequence) after what the cache already holds, appends them to the
     /// cache, and returns the f32 logits `(vocab,)` of the last token.
+    ///
+    /// On CUDA with the split-KV backend, a single token runs as a step fed from device memory:
+    /// its token and position are written to a small device buffer, and attention masks each
+    /// cache to its length over the whole capacity, so that every step launches the same
+    /// kernels. With [`Llama::set_cuda_graph`] those launches are captured once per cache
+    /// allocation and replayed.
     pub fn forward(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let [token] = tokens {
+            if self.takes_device_steps() {
+                return self.device_step(*token);
+            }
+        }
         let x = self.hidden_states(tokens, Rows::BySize)?;
         let last = x.narrow(1, tokens.len() - 1, 1)?;
         self.logits(&last, Rows::BySize)?.flatten_all()
@@ -435,6 +495,81 @@ impl Llama {
 
     /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache.
     fn hidden_states(&mut self, tokens: &[u32], rows: Rows) -> Result<Tensor> {
+        self.check_tokens(tokens)?;
+        let t = tokens.len();
+        let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
+        let x = self.weights.embed_tokens.forward(&input)?;
+        let angles = self.rope.angles(&[self.cache_len()], t)?;
+        self.layers(x, &angles, Positions::Host(rows))
+    }
+
+    /// Whether one-token steps run fed from device memory: on CUDA, with the split-KV backend
+    /// over a head dim it takes.
+    #[cfg(feature = "cuda")]
+    fn takes_device_steps(&self) -> bool {
+        self.device.is_cuda()
+            && self.attention.backend == AttentionBackend::SplitKv
+            && crate::SUPPORTED_HEAD_DIMS.contains(&self.config.head_dim)
+    }
+
+    /// One token through a step fed from device memory (see [`Llama::forward`]): replayed from
+    /// its graph, captured, or run eagerly. The f32 logits `(vocab,)`.
+    #[cfg(feature = "cuda")]
+    fn device_step(&mut self, token: u32) -> Result<Tensor> {
+        self.check_tokens(&[token])?;
+        let position = self.cache_len();
+        // Growth reallocates the caches: never inside a step that is being captured.
+        for cache in &mut self.caches {
+            cache.reserve(position + 1)?;
+        }
+        let mut steps = match self.device_steps.take() {
+            Some(steps) => steps,
+            None => DeviceSteps {
+                inputs: device_step::StepInputs::new(&self.device)?,
+                graph: device_step::StepGraph::default(),
+            },
+        };
+        let logits = steps.inputs.set(token, position).and_then(|()| {
+            if !self.cuda_graph {
+                return self.fed_logits(&steps.inputs);
+            }
+            let shape = device_step::StepShape::of(&self.caches, self.fused_decode);
+            let device = self.device.clone();
+            let vocab = self.config.vocab_size;
+            let inputs = steps.inputs.clone();
+            let model = std::cell::RefCell::new(&mut *self);
+            steps.graph.run(
+                &device,
+                (shape, vocab),
+                || model.borrow_mut().fed_logits(&inputs),
+                || {
+                    model
+                        .borrow_mut()
+                        .caches
+                        .iter_mut()
+                        .for_each(|c| c.count_appended(1))
+                },
+            )
+        });
+        self.device_steps = Some(steps);
+        if logits.is_err() {
+            // A step that failed part-way may have counted the position in some caches.
+            self.truncate(position);
+        }
+        logits
+    }
+
+    /// The f32 logits `(vocab,)` of the step whose inputs `inputs` holds.
+    #[cfg(feature = "cuda")]
+    fn fed_logits(&mut self, inputs: &device_step::StepInputs) -> Result<Tensor> {
+        let x = self.weights.embed_tokens.forward(&inputs.token)?;
+        let angles = self.rope.angles_at(&inputs.lengths.before)?;
+        let x = self.layers(x, &angles, Positions::Device(&inputs.lengths))?;
+        self.logits(&x, Rows::BySize)?.flatten_all()
+    }
+
+    /// Checks that `tokens` is not empty, is in the vocabulary and fits in the context.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             bail!("llama forward: no tokens given")
         }
@@ -456,17 +591,22 @@ impl Llama {
                 self.context_length()
             )
         }
-        let t = tokens.len();
-        let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        let mut x = self.weights.embed_tokens.forward(&input)?;
-        let angles = self.rope.angles(&[self.cache_len()], t)?;
+        Ok(())
+    }
+
+    /// Runs every layer over `x`, appending to the caches at `positions`.
+    fn layers(&mut self, mut x: Tensor, angles: &RopeAngles, positions: Positions) -> Result<Tensor> {
         for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
             x = match layer {
                 Layer::Separate(layer) => {
-                    layer.forward(&x, &angles, &self.attention, cache, rows)?
+                    layer.forward(&x, angles, &self.attention, cache, positions)?
                 }
                 Layer::Joined(layer) => {
-                    layer.forward(&x, &angles, &self.attention, cache, self.fused_decode)?
+                    let lengths = match positions {
+                        Positions::Device(lengths) => Some(lengths),
+                        Positions::Host(_) => None,
+                    };
+                    layer.forward(&x, angles, &self.attention, cache, self.fused_decode, lengths)?
                 }
             };
         }
@@ -516,6 +656,27 @@ impl Llama {
     /// GGUF) this changes nothing.
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused_decode = on;
+    }
+
+    /// Captures one-token CUDA steps as CUDA graphs (off by default): each step is then one
+    /// graph launch instead of a few hundred kernel launches, with logits identical to the
+    /// uncaptured step. A graph is captured on the second step after the caches are
+    /// (re)allocated and replayed until they grow again. Needs a CUDA device; steps with
+    /// another backend than split-KV run uncaptured.
+    pub fn set_cuda_graph(&mut self, on: bool) -> Result<()> {
+        if on && !self.device.is_cuda() {
+            bail!(
+                "llama: CUDA graphs need a CUDA device, this model is on {:?}",
+                self.device.location()
+            )
+        }
+        self.cuda_graph = on;
+        Ok(())
+    }
+
+    /// Whether one-token CUDA steps are captured as graphs (see [`Llama::set_cuda_graph`]).
+    pub fn cuda_graph(&self) -> bool {
+        self.cuda_graph
     }
 
     pub fn config(&self) -> &LlamaConfig {

@@ -101,14 +101,47 @@ impl CachedAttention {
         self.forward_inner(q, k, v, cache, true)
     }
 
-    fn forward_inner(
+    /// Like [`CachedAttention::forward`] for a step whose positions live in device memory (see
+    /// [`KvCache::append_at`]): `lengths.before` holds the cache's lengths, where the new keys
+    /// and values go, and `lengths.after` those lengths plus t, which the op masks each sequence
+    /// to. The op runs over the whole capacity, cut by each sequence's own length, so that the
+    /// launches do not change from one step to the next and a CUDA graph can replay them.
+    /// Split-KV backend, a supported head dim and at most
+    /// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) tokens only.
+    pub fn forward_at(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         cache: &mut KvCache,
-        as_steps: bool,
+        lengths: &DeviceLengths,
     ) -> Result<Tensor> {
+        let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
+        if !(self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t)) {
+            bail!(
+                "cached attention forward_at: needs the split-KV backend, a head dim in {:?} and \
+                 1 to {} tokens; got {:?}, head dim {head_dim}, {t} tokens",
+                crate::SUPPORTED_HEAD_DIMS,
+                crate::MAX_QUERY_TOKENS,
+                self.backend
+            )
+        }
+        let scales = KvScales::of(cache);
+        let (k_all, v_all) = cache.append_at(k, v, &lengths.before)?;
+        self.op(scales)
+            .with_seqlens(lengths.after.clone())
+            .forward(&op_query(q, k_all.dtype())?, &k_all, &v_all)?
+            .to_dtype(q.dtype())
+    }
+
+    /// Checks q, k and v against each other and the cache; returns q's dims.
+    fn check_inputs(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &KvCache,
+    ) -> Result<(usize, usize, usize, usize)> {
         let (batch, t, q_heads, head_dim) = q.dims4().map_err(|_| {
             candle_core::Error::Msg(format!(
                 "cached attention: q must be (batch, t, q_heads, head_dim), got {:?}",
@@ -143,7 +176,18 @@ impl CachedAttention {
         if self.prefill_block == 0 {
             bail!("cached attention: prefill_block must be at least 1")
         }
+        Ok((batch, t, q_heads, head_dim))
+    }
 
+    fn forward_inner(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        as_steps: bool,
+    ) -> Result<Tensor> {
+        let (batch, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
         // The cache stores k and v in its own dtype (e.g. f16 under f32, or scaled fp8).
         let scales = KvScales::of(cache);
         if cache.is_uniform() {
@@ -272,6 +316,16 @@ impl CachedAttention {
             AttentionBackend::Naive => naive(q, k_all, v_all, past, self.softmax_scale, scales),
         }
     }
+}
+
+/// A step's cache lengths in device memory, u32 `(batch,)` tensors on the cache's device (see
+/// [`CachedAttention::forward_at`]).
+#[derive(Debug, Clone)]
+pub struct DeviceLengths {
+    /// Each sequence's cached length before the step: where its new tokens go.
+    pub before: Tensor,
+    /// Each sequence's length after the step: `before` plus the step's tokens.
+    pub after: Tensor,
 }
 
 /// The per-tensor scales of a cache's stored K/V: real = stored × scale.
@@ -521,6 +575,52 @@ mod tests {
             let diff = max_abs_diff(&out, &expected)?;
             assert!(diff < 1e-5, "{backend:?} block {block} t {t}: diff {diff}");
         }
+        Ok(())
+    }
+
+    /// Steps fed from lengths in device memory (here the CPU's) append where the cache ends and
+    /// attend over the capacity masked to the new lengths: the reference's result.
+    #[test]
+    fn forward_at_matches_reference() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, h_q, h_kv, d) = (2, 6, 2, 64);
+        let scale = 1.0 / 8.0;
+        let mut cache = cache(b, h_kv, d)?;
+        let attn = CachedAttention::new(scale);
+        let (mut all_k, mut all_v) = (Vec::new(), Vec::new());
+        for t in [9, 1, 1, 2, 1] {
+            let q = Tensor::randn(0f32, 1.0, (b, t, h_q, d), &dev)?;
+            let k = Tensor::randn(0f32, 1.0, (b, t, h_kv, d), &dev)?;
+            let v = Tensor::randn(0f32, 1.0, (b, t, h_kv, d), &dev)?;
+            all_k.push(k.clone());
+            all_v.push(v.clone());
+            let len = cache.len() as u32;
+            let lengths = DeviceLengths {
+                before: Tensor::new(&[len, len], &dev)?,
+                after: Tensor::new(&[len + t as u32, len + t as u32], &dev)?,
+            };
+            let out = attn.forward_at(&q, &k, &v, &mut cache, &lengths)?;
+            let expected = reference(
+                &q,
+                &Tensor::cat(&all_k, 1)?,
+                &Tensor::cat(&all_v, 1)?,
+                scale,
+            )?;
+            let diff = max_abs_diff(&out, &expected)?;
+            assert!(diff < 1e-5, "t {t}: diff {diff}");
+        }
+        // Lengths that are not the cache's are refused where they can be read.
+        let x = Tensor::zeros((b, 1, h_kv, d), DType::F32, &dev)?;
+        let q = Tensor::zeros((b, 1, h_q, d), DType::F32, &dev)?;
+        let wrong = DeviceLengths {
+            before: Tensor::new(&[0u32, 0], &dev)?,
+            after: Tensor::new(&[1u32, 1], &dev)?,
+        };
+        let err = attn.forward_at(&q, &x, &x, &mut cache, &wrong).unwrap_err();
+        assert!(err.to_string().contains("differ from the cached lengths"), "{err}");
+        let naive = attn.with_backend(AttentionBackend::Naive);
+        let err = naive.forward_at(&q, &x, &x, &mut cache, &wrong).unwrap_err();
+        assert!(err.to_string().contains("split-KV backend"), "{err}");
         Ok(())
     }
 

@@ -245,6 +245,100 @@ impl KvCache {
         self.sequence_views(seq)
     }
 
+    /// Like [`KvCache::append`], for a step whose positions live in device memory: `lengths`
+    /// is a u32 `(batch,)` tensor on the cache's device holding [`KvCache::seq_lens`], and the
+    /// rows go to `lengths[s]..lengths[s] + t` as the device reads it when the write runs. A
+    /// decode step captured in a CUDA graph appends this way, so that each replay writes where
+    /// the cache then ends. Returns the views over the whole capacity,
+    /// [`KvCache::capacity_views`], to be masked by the new lengths.
+    ///
+    /// On CUDA `lengths` is trusted to match the cache's lengths (checking it would wait for the
+    /// device); positions past the capacity are never written. Elsewhere a mismatch is an error.
+    pub fn append_at(
+        &mut self,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        lengths: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let t = self.check_new("append_at", k_new, v_new, self.batch())?;
+        if lengths.dtype() != DType::U32
+            || lengths.dims() != [self.batch()]
+            || !lengths.device().same_device(self.device())
+        {
+            bail!(
+                "kv cache append_at: lengths must be a u32 ({},) tensor on the cache's device, got \
+                 {:?} {:?} on {:?}",
+                self.batch(),
+                lengths.dtype(),
+                lengths.dims(),
+                lengths.device().location()
+            )
+        }
+        self.reserve(self.len() + t)?;
+        self.write_at(k_new, v_new, lengths)?;
+        self.seq_lens.iter_mut().for_each(|len| *len += t);
+        self.capacity_views()
+    }
+
+    #[cfg(feature = "cuda")]
+    fn write_at(&self, k_new: &Tensor, v_new: &Tensor, lengths: &Tensor) -> Result<()> {
+        if !self.device().is_cuda() {
+            return self.write_at_host_lengths(k_new, v_new, lengths);
+        }
+        crate::cuda::cache_write::write_rows(
+            (&self.k, &self.v),
+            (
+                &self.k_form.kernel_rows(k_new)?,
+                &self.v_form.kernel_rows(v_new)?,
+            ),
+            &lengths.contiguous()?,
+            (self.k_scale(), self.v_scale()),
+        )
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn write_at(&self, k_new: &Tensor, v_new: &Tensor, lengths: &Tensor) -> Result<()> {
+        self.write_at_host_lengths(k_new, v_new, lengths)
+    }
+
+    /// [`KvCache::append_at`]'s write where the lengths can be read without waiting on a GPU.
+    fn write_at_host_lengths(&self, k_new: &Tensor, v_new: &Tensor, lengths: &Tensor) -> Result<()> {
+        let given = lengths.to_vec1::<u32>()?;
+        if given.iter().zip(&self.seq_lens).any(|(&g, &l)| g as usize != l) {
+            bail!(
+                "kv cache append_at: lengths {given:?} differ from the cached lengths {:?}",
+                self.seq_lens
+            )
+        }
+        for (seq, &at) in self.seq_lens.iter().enumerate() {
+            let rows = |x: &Tensor| x.narrow(0, seq, 1);
+            self.k_form
+                .write(&self.k.narrow(0, seq, 1)?, at, &rows(k_new)?)?;
+            self.v_form
+                .write(&self.v.narrow(0, seq, 1)?, at, &rows(v_new)?)?;
+        }
+        Ok(())
+    }
+
+    /// The ids of the K and V storage: a cache that grew, or another cache, has others.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn storage_ids(&self) -> (candle_core::TensorId, candle_core::TensorId) {
+        (self.k.id(), self.v.id())
+    }
+
+    /// Counts `t` positions appended to every sequence by device work whose host side did not
+    /// run again (a replayed graph of [`KvCache::append_at`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn count_appended(&mut self, t: usize) {
+        self.seq_lens.iter_mut().for_each(|len| *len += t);
+    }
+
+    /// Keys and values `(batch, capacity, kv_heads, head_dim)` over every allocated position, as
+    /// strided views of the storage; positions past a sequence's length hold stale data.
+    pub fn capacity_views(&self) -> Result<(Tensor, Tensor)> {
+        Ok((self.k.transpose(1, 2)?, self.v.transpose(1, 2)?))
+    }
+
     /// Keys and values `(batch, len, kv_heads, head_dim)` over the longest sequence, as strided
     /// views of the storage.
     pub fn views(&self) -> Result<(Tensor, Tensor)> {
@@ -399,6 +493,38 @@ mod tests {
         assert_eq!(diff, 0.0);
         assert_eq!(cache.len(), 4);
         assert_eq!(cache.seq_lens(), [4, 4]);
+        Ok(())
+    }
+
+    #[test]
+    fn append_at_lengths_writes_what_append_does() -> Result<()> {
+        for dtype in [DType::F32, DType::F8E4M3] {
+            let config = KvCacheConfig {
+                dtype,
+                ..config(2, 2, 64)
+            }
+            .with_kv_scales(0.5, 2.0);
+            let (mut plain, mut at) = (KvCache::new(&config)?, KvCache::new(&config)?);
+            for (step, t) in [3, 1, 2].into_iter().enumerate() {
+                let x = rows(2, t, 10.0 * step as f32)?;
+                plain.append(&x, &(&x * 3.0)?)?;
+                let lengths = Tensor::new(&[at.len() as u32, at.len() as u32], &Device::Cpu)?;
+                let (k, _) = at.append_at(&x, &(&x * 3.0)?, &lengths)?;
+                assert_eq!(k.dims(), [2, at.capacity(), 2, 4]);
+            }
+            assert_eq!(at.seq_lens(), plain.seq_lens());
+            let f32_of = |t: Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+            let (k_at, v_at) = at.views()?;
+            let (k, v) = plain.views()?;
+            assert_eq!(f32_of(k_at)?, f32_of(k)?, "{dtype:?}");
+            assert_eq!(f32_of(v_at)?, f32_of(v)?, "{dtype:?}");
+            let stale = Tensor::new(&[0u32, 0], &Device::Cpu)?;
+            let x = rows(2, 1, 0.0)?;
+            let err = at.append_at(&x, &x, &stale).unwrap_err();
+            assert!(err.to_string().contains("differ from the cached lengths"), "{err}");
+            let err = at.append_at(&x, &x, &stale.narrow(0, 0, 1)?).unwrap_err();
+            assert!(err.to_string().contains("u32 (2,)"), "{err}");
+        }
         Ok(())
     }
 

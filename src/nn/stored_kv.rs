@@ -82,6 +82,16 @@ impl StoredForm {
         buffer.slice_set(&self.store(&rows)?.contiguous()?, 2, at)
     }
 
+    /// Rows `x` as the cache-write kernel takes them: as they are for fp8, which the kernel
+    /// quantizes with the scale; otherwise already stored (scaled and cast), to be copied.
+    #[cfg(feature = "cuda")]
+    pub fn kernel_rows(&self, x: &Tensor) -> Result<Tensor> {
+        if self.dtype == DType::F8E4M3 {
+            return Ok(x.clone());
+        }
+        self.store(x)
+    }
+
     /// `x / scale` in the stored dtype, saturated for fp8. With scale 1 this is the plain cast
     /// (nothing at all when `x` is in the stored dtype).
     pub fn store(&self, x: &Tensor) -> Result<Tensor> {

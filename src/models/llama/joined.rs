@@ -6,7 +6,7 @@
 use candle_core::{Result, Tensor};
 
 use super::rope::RopeAngles;
-use crate::nn::attention::CachedAttention;
+use crate::nn::attention::{CachedAttention, DeviceLengths};
 use crate::nn::cache::KvCache;
 use crate::nn::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 
@@ -80,7 +80,8 @@ impl JoinedLayer {
     }
 
     /// `x (b, t, hidden)` → `(b, t, hidden)`, residual adds included. `fused` false runs every
-    /// projection through candle's ops (for A/B runs); prompts take that path anyway.
+    /// projection through candle's ops (for A/B runs); prompts take that path anyway. With
+    /// `lengths`, the keys and values go where they say (see [`CachedAttention::forward_at`]).
     pub fn forward(
         &self,
         x: &Tensor,
@@ -88,6 +89,7 @@ impl JoinedLayer {
         attention: &CachedAttention,
         cache: &mut KvCache,
         fused: bool,
+        lengths: Option<&DeviceLengths>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (q_size, kv_size) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
@@ -119,9 +121,11 @@ impl JoinedLayer {
             self.kv_heads,
             self.head_dim,
         ))?;
-        let y = attention
-            .forward(&q, &k, &v, cache)?
-            .reshape((b, t, q_size))?;
+        let y = match lengths {
+            Some(lengths) => attention.forward_at(&q, &k, &v, cache, lengths)?,
+            None => attention.forward(&q, &k, &v, cache)?,
+        }
+        .reshape((b, t, q_size))?;
         let x = project(
             fused,
             &y,

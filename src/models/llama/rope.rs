@@ -164,6 +164,23 @@ impl RotaryEmbedding {
     }
 }
 
+impl RotaryEmbedding {
+    /// Like [`RotaryEmbedding::angles`] for one token per sequence, at the positions a u32
+    /// `(batch,)` tensor holds on the tables' device: looked up when the gather runs, so that a
+    /// captured decode step rotates by the position of each replay. Positions past the tables
+    /// are the caller's to rule out.
+    pub fn angles_at(&self, positions: &Tensor) -> Result<RopeAngles> {
+        let batch = positions.dims1()?;
+        Ok(RopeAngles {
+            cos: self.cos.index_select(positions, 0)?.unsqueeze(1)?,
+            sin: self.sin.index_select(positions, 0)?.unsqueeze(1)?,
+            batch,
+            t: 1,
+            layout: self.layout,
+        })
+    }
+}
+
 /// cos/sin rows for the tokens of one forward pass (see [`RotaryEmbedding::angles`]).
 #[derive(Debug, Clone)]
 pub struct RopeAngles {
@@ -239,6 +256,20 @@ mod tests {
         for (s, p) in scaled.iter().zip(&plain) {
             assert!(*s <= *p && *s >= p / 8.0 - 1e-18);
         }
+        Ok(())
+    }
+
+    #[test]
+    fn angles_at_device_positions_equal_host_positions() -> Result<()> {
+        let dev = Device::Cpu;
+        let rope = RotaryEmbedding::new(&config(None), None, RopeLayout::Halves, DType::F32, &dev)?;
+        let x = Tensor::randn(0f32, 1.0, (2, 1, 3, 64), &dev)?;
+        let at = rope
+            .angles_at(&Tensor::new(&[5u32, 40], &dev)?)?
+            .apply(&x)?;
+        let host = rope.apply(&x, &[5, 40])?;
+        let diff = (at - host)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0);
         Ok(())
     }
 

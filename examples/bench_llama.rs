@@ -2,8 +2,10 @@
 //! random keys and values (timing decode is the point, not prefill), then ≥ 32 timed decode steps
 //! after 4 warm-up steps, for:
 //! - `splitkv`: our model, decode attention through the split-KV op (on CUDA with 16-bit
-//!   weights, the projections run fused with their norms, activation and residual adds);
-//! - `splitkv_unfused`: the same with candle's separate ops around the projections (A/B);
+//!   weights, the projections run fused with their norms, activation and residual adds; on CUDA
+//!   each step is one replayed CUDA graph);
+//! - `splitkv_uncaptured`: the same with every step's kernels launched one by one (A/B);
+//! - `splitkv_unfused`: the same as `splitkv` with candle's separate ops around the projections;
 //! - `naive`: our model with candle's naive attention over the same cache;
 //! - `candle_stock`: candle-transformers' Llama on the same weights, its cache filled by a
 //!   chunked prefill (it has no other way in), up to `--stock-max-context`.
@@ -57,11 +59,16 @@ enum Preset {
     Llama3_8b,
     /// 8 layers, hidden 1024, 16/4 heads of 64, FFN 2816, vocab 32000: for the CPU.
     Small,
+    /// SmolLM2-135M's shape (the summarizer's default model): 30 layers, hidden 576, 9/3 heads
+    /// of 64, FFN 1536, vocab 49152. Its steps are bound by launches, not bytes.
+    #[value(name = "smollm2-135m")]
+    Smollm2_135m,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, ValueEnum)]
 enum Backend {
     Splitkv,
+    SplitkvUncaptured,
     SplitkvUnfused,
     Naive,
     CandleStock,
@@ -112,6 +119,7 @@ fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> Ll
     let (hidden, ffn, vocab, num_layers, heads, kv_heads, head_dim) = match preset {
         Preset::Llama3_8b => (4096, 14336, 128256, 32, 32, 8, 128),
         Preset::Small => (1024, 2816, 32000, 8, 16, 4, 64),
+        Preset::Smollm2_135m => (576, 1536, 49152, 30, 9, 3, 64),
     };
     LlamaConfig {
         hidden_size: hidden,
@@ -463,7 +471,7 @@ fn main() -> Result<()> {
     let contexts = if args.contexts.is_empty() {
         match args.config {
             Preset::Llama3_8b => vec![4096, 32768, 131072],
-            Preset::Small => vec![1024, 4096],
+            Preset::Small | Preset::Smollm2_135m => vec![1024, 4096],
         }
     } else {
         args.contexts.clone()
@@ -489,6 +497,7 @@ fn main() -> Result<()> {
         match args.config {
             Preset::Llama3_8b => "llama3-8b",
             Preset::Small => "small",
+            Preset::Smollm2_135m => "smollm2-135m-shape",
         },
         config.num_hidden_layers
     );
@@ -528,6 +537,9 @@ fn main() -> Result<()> {
             for &backend in &args.backends {
                 let (ours, fused, label) = match backend {
                     Backend::Splitkv => (AttentionBackend::SplitKv, true, "splitkv"),
+                    Backend::SplitkvUncaptured => {
+                        (AttentionBackend::SplitKv, true, "splitkv_uncaptured")
+                    }
                     Backend::SplitkvUnfused => {
                         (AttentionBackend::SplitKv, false, "splitkv_unfused")
                     }
@@ -535,6 +547,9 @@ fn main() -> Result<()> {
                     Backend::CandleStock => continue,
                 };
                 model.set_fused_decode(fused);
+                model.set_cuda_graph(
+                    device.is_cuda() && backend != Backend::SplitkvUncaptured,
+                )?;
                 let plain_ms = match run_ours(&mut model, ours, context, args.steps) {
                     Ok((ms, attention_ms)) => {
                         report.line(label, ms, Some(attention_ms));

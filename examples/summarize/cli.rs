@@ -44,6 +44,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = WeightFormArg::Measure)]
     pub weight_form: WeightFormArg,
 
+    /// On CUDA, capture each decode step as a CUDA graph and replay it: one launch per token
+    /// instead of hundreds, with the same logits. `--cuda-graph false` launches every kernel.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub cuda_graph: bool,
+
     /// The most tokens of the final summary; summaries of chunks get half as many.
     #[arg(long, default_value_t = 200)]
     pub max_new_tokens: usize,

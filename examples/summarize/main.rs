@@ -87,6 +87,9 @@ fn run(args: &Args) -> Result<()> {
         Err(e) => bad_input!("cannot load the model {}: {e}", model_path.display()),
     };
     let mut model = loaded.model;
+    if device.is_cuda() {
+        model.set_cuda_graph(args.cuda_graph)?;
+    }
     let kv_dtype = kv_dtype::kv_dtype_name(model.cache_dtype());
     let format = ChatFormat::detect(loaded.chat_template.as_deref());
     let mut stop_tokens = loaded.eos_token_ids.clone();

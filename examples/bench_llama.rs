@@ -547,9 +547,7 @@ fn main() -> Result<()> {
                     Backend::CandleStock => continue,
                 };
                 model.set_fused_decode(fused);
-                model.set_cuda_graph(
-                    device.is_cuda() && backend != Backend::SplitkvUncaptured,
-                )?;
+                model.set_cuda_graph(device.is_cuda() && backend != Backend::SplitkvUncaptured)?;
                 let plain_ms = match run_ours(&mut model, ours, context, args.steps) {
                     Ok((ms, attention_ms)) => {
                         report.line(label, ms, Some(attention_ms));

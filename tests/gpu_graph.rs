@@ -65,7 +65,8 @@ fn gpu_append_at_device_lengths_writes_what_append_does_on_the_cpu() -> Result<(
         for step in 0..12 {
             let t = 1 + step % 3;
             let k = Tensor::randn(0f32, 4.0, (2, t, 3, 64), &Device::Cpu)?.to_dtype(rows_dtype)?;
-            let wide = Tensor::randn(0f32, 4.0, (2, t, 6, 64), &Device::Cpu)?.to_dtype(rows_dtype)?;
+            let wide =
+                Tensor::randn(0f32, 4.0, (2, t, 6, 64), &Device::Cpu)?.to_dtype(rows_dtype)?;
             let v = wide.narrow(2, rng.random_range(0..3), 3)?;
             let lengths = Tensor::new(
                 on_gpu
@@ -112,7 +113,9 @@ fn greedy(logits: &[f32]) -> u32 {
 /// back. Returns every step's logits.
 fn decode(model: &mut Llama, prompt: &[u32], steps: usize) -> Result<Vec<Vec<f32>>> {
     let host = |x: Tensor| -> Result<Vec<f32>> {
-        Ok(x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        Ok(x.to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?)
     };
     let mut logits = host(model.forward(prompt)?)?;
     let mut tokens: Vec<u32> = prompt.to_vec();
@@ -153,7 +156,9 @@ fn load(dir: &std::path::Path, gpu: &Device, cache_dtype: DType) -> Result<Llama
 
 fn prompt(len: usize) -> Vec<u32> {
     let mut rng = StdRng::seed_from_u64(41);
-    (0..len).map(|_| rng.random_range(3..VOCAB as u32)).collect()
+    (0..len)
+        .map(|_| rng.random_range(3..VOCAB as u32))
+        .collect()
 }
 
 #[test]
@@ -204,7 +209,9 @@ fn gpu_device_fed_steps_stay_close_to_host_fed_steps() -> Result<()> {
     let mut fed = load(dir.path(), &gpu, DType::BF16)?;
     let mut host = load(dir.path(), &gpu, DType::BF16)?;
     let as_f32 = |x: Tensor| -> Result<Tensor> {
-        Ok(x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?)
+        Ok(x.to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?)
     };
     let mut fed_logits = as_f32(fed.forward(&prompt)?)?;
     let mut host_logits = as_f32(host.forward(&prompt)?)?;

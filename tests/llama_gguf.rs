@@ -211,3 +211,60 @@ fn fp8_and_bf16_caches_greedy_tokens() -> Result<()> {
     assert_eq!(fp8_tokens.len(), STEPS);
     Ok(())
 }
+
+/// On CUDA the default model runs dense in bf16 through the fused decode kernels, each step a
+/// replayed CUDA graph: its greedy tokens against the stock model's (f32, as stored, on the
+/// CPU). bf16 activations round differently from f32 ones, so the tokens may part late in a
+/// near tie; the first eight must agree, and where they part is printed.
+#[test]
+fn gpu_dense_bf16_greedy_tokens_match_stock() -> Result<()> {
+    let Some(path) = default_model() else {
+        return Ok(());
+    };
+    let Ok(gpu) = Device::new_cuda(0) else {
+        eprintln!("skipping: no CUDA device");
+        return Ok(());
+    };
+    let loaded = Llama::load_with(&path, &gpu, LoadOptions::default())?;
+    let prompt = loaded
+        .tokenizer
+        .encode(PROMPT, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
+    let mut model = loaded.model;
+    assert_eq!(model.dtype(), DType::BF16);
+    assert!(model.has_fused_decode());
+    model.set_cuda_graph(true)?;
+    let (ours, _) = our_greedy(&mut model, &prompt)?;
+    let (stock, _) = stock_greedy(&path, &prompt)?;
+    let text = |ids: &[u32]| loaded.tokenizer.decode(ids, true).unwrap_or_default();
+    eprintln!(
+        "stock: {:?}\ndense bf16 on CUDA:  {:?}",
+        text(&stock),
+        text(&ours)
+    );
+    let agree = ours.iter().zip(&stock).take_while(|(a, b)| a == b).count();
+    eprintln!("the first {agree} of {STEPS} greedy tokens agree");
+    assert!(
+        agree >= 8,
+        "dense bf16 on CUDA parts from stock at token {agree}"
+    );
+    Ok(())
+}
+
+#[test]
+fn gguf_models_run_in_f32_on_the_cpu() -> Result<()> {
+    let Some(path) = default_model() else {
+        return Ok(());
+    };
+    let options = LoadOptions {
+        dtype: Some(DType::BF16),
+        ..LoadOptions::default()
+    };
+    let Err(err) = Llama::load_with(&path, &Device::Cpu, options) else {
+        panic!("a bf16 GGUF model loaded on the CPU")
+    };
+    assert!(err.to_string().contains("on CUDA in f16 or bf16"), "{err}");
+    Ok(())
+}

@@ -38,7 +38,10 @@ pub(crate) fn warm_up<R>(dev: &CudaDevice, work: impl FnOnce() -> Result<R>) -> 
 /// replay allocates and frees its own; what is to outlive a replay goes into buffers allocated
 /// before the capture. Fails, leaving the stream as it was, where `work` fails or launches
 /// something that cannot be captured (a host synchronisation, an uncached upload).
-pub(crate) fn capture(dev: &CudaDevice, work: impl FnOnce() -> Result<()>) -> Result<CapturedGraph> {
+pub(crate) fn capture(
+    dev: &CudaDevice,
+    work: impl FnOnce() -> Result<()>,
+) -> Result<CapturedGraph> {
     let _cache = dev.enable_cuda_graph_htod_cache();
     let stream = dev.cuda_stream();
     stream

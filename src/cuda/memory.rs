@@ -46,8 +46,7 @@ pub(crate) fn set_u32s(t: &candle_core::Tensor, values: &[u32]) -> Result<()> {
     let candle_core::Device::Cuda(dev) = t.device() else {
         candle_core::bail!("set_u32s: the tensor is not on a CUDA device")
     };
-    if t.dtype() != candle_core::DType::U32 || !t.is_contiguous() || t.elem_count() < values.len()
-    {
+    if t.dtype() != candle_core::DType::U32 || !t.is_contiguous() || t.elem_count() < values.len() {
         candle_core::bail!(
             "set_u32s: needs a contiguous u32 tensor of at least {} elements, got {:?} {:?}",
             values.len(),

@@ -216,7 +216,9 @@ impl DecoderLayer {
         positions: Positions,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
-        let h = self.attention.forward(&h, angles, attention, cache, positions)?;
+        let h = self
+            .attention
+            .forward(&h, angles, attention, cache, positions)?;
         let x = (x + h)?;
         let h = self
             .mlp
@@ -595,7 +597,12 @@ impl Llama {
     }
 
     /// Runs every layer over `x`, appending to the caches at `positions`.
-    fn layers(&mut self, mut x: Tensor, angles: &RopeAngles, positions: Positions) -> Result<Tensor> {
+    fn layers(
+        &mut self,
+        mut x: Tensor,
+        angles: &RopeAngles,
+        positions: Positions,
+    ) -> Result<Tensor> {
         for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
             x = match layer {
                 Layer::Separate(layer) => {
@@ -606,7 +613,14 @@ impl Llama {
                         Positions::Device(lengths) => Some(lengths),
                         Positions::Host(_) => None,
                     };
-                    layer.forward(&x, angles, &self.attention, cache, self.fused_decode, lengths)?
+                    layer.forward(
+                        &x,
+                        angles,
+                        &self.attention,
+                        cache,
+                        self.fused_decode,
+                        lengths,
+                    )?
                 }
             };
         }

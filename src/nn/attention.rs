@@ -617,9 +617,14 @@ mod tests {
             after: Tensor::new(&[1u32, 1], &dev)?,
         };
         let err = attn.forward_at(&q, &x, &x, &mut cache, &wrong).unwrap_err();
-        assert!(err.to_string().contains("differ from the cached lengths"), "{err}");
+        assert!(
+            err.to_string().contains("differ from the cached lengths"),
+            "{err}"
+        );
         let naive = attn.with_backend(AttentionBackend::Naive);
-        let err = naive.forward_at(&q, &x, &x, &mut cache, &wrong).unwrap_err();
+        let err = naive
+            .forward_at(&q, &x, &x, &mut cache, &wrong)
+            .unwrap_err();
         assert!(err.to_string().contains("split-KV backend"), "{err}");
         Ok(())
     }

@@ -302,9 +302,18 @@ impl KvCache {
     }
 
     /// [`KvCache::append_at`]'s write where the lengths can be read without waiting on a GPU.
-    fn write_at_host_lengths(&self, k_new: &Tensor, v_new: &Tensor, lengths: &Tensor) -> Result<()> {
+    fn write_at_host_lengths(
+        &self,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        lengths: &Tensor,
+    ) -> Result<()> {
         let given = lengths.to_vec1::<u32>()?;
-        if given.iter().zip(&self.seq_lens).any(|(&g, &l)| g as usize != l) {
+        if given
+            .iter()
+            .zip(&self.seq_lens)
+            .any(|(&g, &l)| g as usize != l)
+        {
             bail!(
                 "kv cache append_at: lengths {given:?} differ from the cached lengths {:?}",
                 self.seq_lens
@@ -521,7 +530,10 @@ mod tests {
             let stale = Tensor::new(&[0u32, 0], &Device::Cpu)?;
             let x = rows(2, 1, 0.0)?;
             let err = at.append_at(&x, &x, &stale).unwrap_err();
-            assert!(err.to_string().contains("differ from the cached lengths"), "{err}");
+            assert!(
+                err.to_string().contains("differ from the cached lengths"),
+                "{err}"
+            );
             let err = at.append_at(&x, &x, &stale.narrow(0, 0, 1)?).unwrap_err();
             assert!(err.to_string().contains("u32 (2,)"), "{err}");
         }

@@ -9,15 +9,16 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{bail, DType, Device, Result};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
+use super::joined::{JoinedHead, JoinedLayer, LayerTensors};
 use super::{
     DecoderLayer, Head, Layer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout,
     SelfAttention, Weights,
 };
 use crate::models::linear::Linear;
-use crate::models::weight_form::{self, WeightChoice, WeightForm};
+use crate::models::weight_form::{self, WeightChoice, WeightForm, WeightFormPolicy};
 
 /// The per-layer matrices, by their GGUF names.
 const LAYER_MATRICES: [&str; 7] = [
@@ -30,13 +31,40 @@ const LAYER_MATRICES: [&str; 7] = [
     "ffn_down",
 ];
 
-pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result<LoadedModel> {
-    if options.dtype.is_some_and(|d| d != DType::F32) {
-        bail!(
-            "llama: GGUF models run in f32, got dtype {:?}",
-            options.dtype
-        )
+/// On CUDA, GGUF models whose layer matrices take at most this many bytes in bf16 run dense in
+/// bf16, through the fused decode kernels: a step of such a model is bound by its launches, not
+/// its bytes, and the fused layers launch a third as many kernels as the quantized matmuls
+/// (docs/perf-log.md, "GGUF dense on CUDA"). Larger models keep their quantized weights, which
+/// read fewer bytes.
+const CUDA_DENSE_MAX_BYTES: usize = 1 << 30;
+
+/// The dtype a GGUF model runs in: f32 with its weights in the chosen forms, or on CUDA f16/bf16
+/// with dense, joined layers.
+fn run_dtype(content: &Content, device: &Device, options: &LoadOptions) -> Result<DType> {
+    match options.dtype {
+        None | Some(DType::F32) if !device.is_cuda() => Ok(DType::F32),
+        Some(DType::F32) => Ok(DType::F32),
+        Some(dtype @ (DType::F16 | DType::BF16)) if device.is_cuda() => Ok(dtype),
+        Some(dtype) => bail!(
+            "llama: GGUF models run in f32, or on CUDA in f16 or bf16 (dense); got {dtype:?} on \
+             {:?}",
+            device.location()
+        ),
+        None => {
+            let elements: usize = content
+                .tensor_infos
+                .iter()
+                .filter(|(name, _)| name.starts_with("blk."))
+                .map(|(_, info)| info.shape.elem_count())
+                .sum();
+            let dense = options.weight_forms == WeightFormPolicy::Measure
+                && 2 * elements <= CUDA_DENSE_MAX_BYTES;
+            Ok(if dense { DType::BF16 } else { DType::F32 })
+        }
     }
+}
+
+pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result<LoadedModel> {
     let file = File::open(path).map_err(|e| {
         candle_core::Error::Msg(format!("llama: cannot open {}: {e}", path.display()))
     })?;
@@ -54,7 +82,103 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok())
         .cloned();
+    let dtype = run_dtype(&content, device, &options)?;
     let mut read = |name: &str| content.tensor(&mut reader, name, device);
+    // Llama 3.1 GGUFs carry their long-context scaling as per-frequency divisors.
+    let rope_freq_factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
+        Some(dequantized_vec(&read("rope_freqs.weight")?)?)
+    } else {
+        None
+    };
+    let (weights, choices) = if dtype == DType::F32 {
+        weights_in_chosen_forms(&content, &config, &mut read, device, &options)?
+    } else {
+        (
+            dense_joined_weights(&content, &config, &mut read, device, dtype)?,
+            Vec::new(),
+        )
+    };
+    let bos_token_id = config.bos_token_id;
+    let eos_token_ids = config.eos_token_ids.clone();
+    let mut model = Llama::from_parts(
+        config,
+        weights,
+        // GGUF llama q/k rows are permuted for interleaved pairs.
+        RopeLayout::Interleaved,
+        rope_freq_factors.as_deref(),
+        dtype,
+        device,
+        options,
+    )?;
+    model.weight_choices = choices;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        bos_token_id,
+        eos_token_ids,
+    })
+}
+
+/// Every layer matrix dequantized to `dtype` and joined for the fused decode kernels.
+fn dense_joined_weights(
+    content: &Content,
+    config: &LlamaConfig,
+    read: &mut dyn FnMut(&str) -> Result<QTensor>,
+    device: &Device,
+    dtype: DType,
+) -> Result<Weights> {
+    let mut dense =
+        |name: &str| -> Result<Tensor> { read(name)?.dequantize(device)?.to_dtype(dtype) };
+    let eps = config.rms_norm_eps as f32;
+    let embeddings = dense("token_embd.weight")?;
+    let lm_head = match content.tensor_infos.contains_key("output.weight") {
+        true => dense("output.weight")?,
+        false => embeddings.clone(),
+    };
+    let layers = (0..config.num_hidden_layers)
+        .map(|layer| {
+            let mut at = |name: &str| dense(&format!("blk.{layer}.{name}.weight"));
+            let tensors = LayerTensors {
+                q: at("attn_q")?,
+                k: at("attn_k")?,
+                v: at("attn_v")?,
+                o: at("attn_output")?,
+                gate: at("ffn_gate")?,
+                up: at("ffn_up")?,
+                down: at("ffn_down")?,
+                input_norm: at("attn_norm")?,
+                post_attention_norm: at("ffn_norm")?,
+            };
+            Ok(Layer::Joined(JoinedLayer::new(
+                tensors,
+                eps,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                config.head_dim,
+            )?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Weights {
+        embed_tokens: Embedding::new(embeddings, config.hidden_size),
+        layers,
+        head: Head::Joined(JoinedHead {
+            norm: dense("output_norm.weight")?,
+            lm_head,
+            eps,
+        }),
+    })
+}
+
+/// The f32 model: each layer matrix in the form chosen for its stored type (see
+/// [`weight_form::choose`]), with the choices made.
+fn weights_in_chosen_forms(
+    content: &Content,
+    config: &LlamaConfig,
+    read: &mut dyn FnMut(&str) -> Result<QTensor>,
+    device: &Device,
+    options: &LoadOptions,
+) -> Result<(Weights, Vec<WeightChoice>)> {
     let norm = |read: &mut dyn FnMut(&str) -> Result<QTensor>, name: &str| -> Result<RmsNorm> {
         Ok(RmsNorm::new(
             read(name)?.dequantize(device)?,
@@ -105,8 +229,8 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
 
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for layer in 0..config.num_hidden_layers {
-        let input_norm = norm(&mut read, &format!("blk.{layer}.attn_norm.weight"))?;
-        let post_attention_norm = norm(&mut read, &format!("blk.{layer}.ffn_norm.weight"))?;
+        let input_norm = norm(read, &format!("blk.{layer}.attn_norm.weight"))?;
+        let post_attention_norm = norm(read, &format!("blk.{layer}.ffn_norm.weight"))?;
         let mut matrix = |name: &str| -> Result<Linear> {
             let tensor = read(&format!("blk.{layer}.{name}.weight"))?;
             match plans.get(&tensor.dtype()) {
@@ -133,14 +257,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
             },
         })));
     }
-    let final_norm = norm(&mut read, "output_norm.weight")?;
-    // Llama 3.1 GGUFs carry their long-context scaling as per-frequency divisors.
-    let rope_freq_factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
-        Some(dequantized_vec(&read("rope_freqs.weight")?)?)
-    } else {
-        None
-    };
-
+    let final_norm = norm(read, "output_norm.weight")?;
     let weights = Weights {
         embed_tokens: Embedding::new(embeddings, config.hidden_size),
         layers,
@@ -149,26 +266,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
             lm_head,
         },
     };
-    let bos_token_id = config.bos_token_id;
-    let eos_token_ids = config.eos_token_ids.clone();
-    let mut model = Llama::from_parts(
-        config,
-        weights,
-        // GGUF llama q/k rows are permuted for interleaved pairs.
-        RopeLayout::Interleaved,
-        rope_freq_factors.as_deref(),
-        DType::F32,
-        device,
-        options,
-    )?;
-    model.weight_choices = choices;
-    Ok(LoadedModel {
-        model,
-        tokenizer,
-        chat_template,
-        bos_token_id,
-        eos_token_ids,
-    })
+    Ok((weights, choices))
 }
 
 fn dequantized_vec(t: &QTensor) -> Result<Vec<f32>> {

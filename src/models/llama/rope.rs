@@ -268,7 +268,11 @@ mod tests {
             .angles_at(&Tensor::new(&[5u32, 40], &dev)?)?
             .apply(&x)?;
         let host = rope.apply(&x, &[5, 40])?;
-        let diff = (at - host)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let diff = (at - host)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
         assert_eq!(diff, 0.0);
         Ok(())
     }

@@ -8,9 +8,12 @@
 //! - Steps fed from device memory against the host-fed path (`forward_all` of one token): the
 //!   same greedy tokens, logits within bf16 rounding.
 //!
-//! Skips with a notice where no CUDA device exists.
+//! Skips with a notice where no CUDA device exists. The tests take turns on the GPU: a capture
+//! fails when another thread of the process synchronises the device meanwhile.
 
 mod common;
+
+use std::sync::{Mutex, MutexGuard};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
@@ -19,6 +22,12 @@ use candle_splitkv::{KvCache, KvCacheConfig};
 use common::gpu;
 use common::tiny_llama::{write_decisive_tiny_model, VOCAB};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// Held by each GPU test for its whole run.
+fn gpu_turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn cache_config(dtype: DType, device: &Device, scales: (f32, f32)) -> KvCacheConfig {
     KvCacheConfig {
@@ -50,6 +59,7 @@ fn stored(cache: &KvCache) -> Result<Vec<f32>> {
 
 #[test]
 fn gpu_append_at_device_lengths_writes_what_append_does_on_the_cpu() -> Result<()> {
+    let _turn = gpu_turn();
     let Some(gpu) = gpu() else { return Ok(()) };
     let mut rng = StdRng::seed_from_u64(5);
     for (cache_dtype, rows_dtype, scales) in [
@@ -163,6 +173,7 @@ fn prompt(len: usize) -> Vec<u32> {
 
 #[test]
 fn gpu_graph_steps_give_the_logits_of_uncaptured_steps() -> Result<()> {
+    let _turn = gpu_turn();
     let Some(gpu) = gpu() else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     write_decisive_tiny_model(dir.path())?;
@@ -202,6 +213,7 @@ fn gpu_graph_steps_give_the_logits_of_uncaptured_steps() -> Result<()> {
 
 #[test]
 fn gpu_device_fed_steps_stay_close_to_host_fed_steps() -> Result<()> {
+    let _turn = gpu_turn();
     let Some(gpu) = gpu() else { return Ok(()) };
     let dir = tempfile::tempdir()?;
     write_decisive_tiny_model(dir.path())?;

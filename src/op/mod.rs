@@ -42,7 +42,9 @@ pub struct SplitKvAttention {
     /// `None`: the split heuristic decides. `Some(n)`: force n splits (clamped to one position per
     /// split at least). Results agree across n within fp32 rounding.
     pub num_splits: Option<usize>,
-    /// Optional u32 `(batch,)` lengths: positions at or past `seqlens_k[b]` are ignored.
+    /// Optional u32 `(batch,)` lengths: positions at or past `seqlens_k[b]` are ignored. On
+    /// CUDA each sequence is then cut into the plan's splits by its own length, so that a call
+    /// planned for a longer view (a captured step over a whole cache) keeps every split busy.
     pub seqlens_k: Option<Tensor>,
     /// The CUDA kernel family; results agree across families within the dtype's rounding.
     pub cuda_kernel: CudaKernel,

@@ -197,6 +197,10 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         query_tokens: call.dims.q_len as i32,
         out_heads: call.dims.q_heads as i32,
         chunk_align: CHUNK_ALIGN as i32,
+        window_left: call
+            .window_left
+            .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
+        softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

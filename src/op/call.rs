@@ -26,6 +26,10 @@ pub(crate) struct DecodeCall<'a> {
     /// The real K and V are the stored values times these (fp8 caches; 1 otherwise).
     pub k_scale: f32,
     pub v_scale: f32,
+    /// A query sees at most this many positions before its own.
+    pub window_left: Option<usize>,
+    /// Scores become `c·tanh(s/c)` (after the softmax scale) with this c.
+    pub softcap: Option<f32>,
     /// `None`: the heuristic decides; `Some(n)`: n splits, clamped to the sequence.
     pub num_splits: Option<usize>,
     /// u32 `(batch,)` lengths, checked for shape, dtype and device.

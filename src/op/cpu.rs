@@ -198,6 +198,8 @@ fn decode_slices<T: Element, KV: Element>(
         softmax_scale: call.softmax_scale,
         k_scale: call.k_scale,
         v_scale: call.v_scale,
+        window_left: call.window_left,
+        softcap: call.softcap,
     };
     decode(&inputs, plan)
 }
@@ -217,6 +219,10 @@ pub(crate) struct DecodeInputs<'a, T, KV> {
     /// The real K and V are the stored values times these.
     pub k_scale: f32,
     pub v_scale: f32,
+    /// A query sees at most this many positions before its own.
+    pub window_left: Option<usize>,
+    /// Scores become `c·tanh(s/c)` with this c.
+    pub softcap: Option<f32>,
 }
 
 /// Runs the op. Returns the output `(b, q_len, h_q, d)` contiguous in `T`, and the natural-log
@@ -333,15 +339,23 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
     let seq_len = inputs
         .seqlens
         .map_or(dims.kv_len, |lens| lens[batch] as usize);
-    let start = split * plan.chunk_size;
-    let end = (start + plan.chunk_size).min(seq_len);
+    // Query token i is position seq_len − q_len + i and sees the keys before and at it, or
+    // with a window the last window_left + 1 of them.
+    let visible = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
+    let first_seen = |row: usize| match inputs.window_left {
+        Some(w) => visible(row).saturating_sub(w + 1),
+        None => 0,
+    };
+    // Positions before the first token's window are never read.
+    let start = (split * plan.chunk_size).max(first_seen(0));
+    let end = (split * plan.chunk_size + plan.chunk_size).min(seq_len);
     out.fill(0.0);
     if start >= end {
         lse.fill(f32::NEG_INFINITY);
         return;
     }
-    // Query token i is position seq_len − q_len + i and sees the keys before and at it.
-    let visible = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
+    // Soft-capping of the base-2 scores: c·tanh(s/c) in natural units.
+    let cap = inputs.softcap.map(|c| c * std::f32::consts::LOG2_E);
 
     // Queries pre-multiplied by scale·log2(e) and the keys' scale, so scores come out in base 2
     // against the real keys.
@@ -366,8 +380,9 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
             let at = inputs.k_strides.row(batch, pos, kv_head);
             let key = KV::row_f32(&inputs.k[at..at + d], &mut row_buf);
             for (row, query) in queries.chunks_exact(d).enumerate() {
-                probs[row * TILE + t] = if pos < visible(row) {
-                    S::dot(query, key)
+                probs[row * TILE + t] = if pos < visible(row) && pos >= first_seen(row) {
+                    let score = S::dot(query, key);
+                    cap.map_or(score, |c| c * (score / c).tanh())
                 } else {
                     f32::NEG_INFINITY
                 };
@@ -560,6 +575,8 @@ mod tests {
             softmax_scale: 2.0,
             k_scale: 1.0,
             v_scale: 1.0,
+            window_left: None,
+            softcap: None,
         };
         let plan = SplitPlan {
             num_splits: 1,

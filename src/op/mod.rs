@@ -53,6 +53,12 @@ pub struct SplitKvAttention {
     pub k_scale: f32,
     /// The real values are the stored ones times `v_scale` (1 by default).
     pub v_scale: f32,
+    /// Sliding window: a query at position p sees keys p − `window_left` ..= p only (Mistral,
+    /// Gemma-2's local layers). `None`: every key before it. At least 1.
+    pub window_left: Option<usize>,
+    /// Logit soft-capping: scores (after `softmax_scale`) become `c·tanh(s/c)` before the
+    /// softmax (Gemma-2: c = 50). `None`: plain scores. Finite and positive.
+    pub softcap: Option<f32>,
     lse_slot: Option<LseSlot>,
     #[cfg(feature = "test-hooks")]
     poison_outputs: bool,
@@ -68,6 +74,8 @@ impl SplitKvAttention {
             cuda_kernel: CudaKernel::Auto,
             k_scale: 1.0,
             v_scale: 1.0,
+            window_left: None,
+            softcap: None,
             lse_slot: None,
             #[cfg(feature = "test-hooks")]
             poison_outputs: false,
@@ -93,6 +101,19 @@ impl SplitKvAttention {
         self
     }
 
+    /// A sliding window of `window_left` positions before each query's own (see
+    /// [`SplitKvAttention::window_left`]).
+    pub fn with_window_left(mut self, window_left: Option<usize>) -> Self {
+        self.window_left = window_left;
+        self
+    }
+
+    /// Soft-caps the scores at `softcap` (see [`SplitKvAttention::softcap`]).
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
+        self.softcap = softcap;
+        self
+    }
+
     /// Restricts each batch entry to its first `seqlens_k[b]` positions.
     pub fn with_seqlens(mut self, seqlens_k: Tensor) -> Self {
         self.seqlens_k = Some(seqlens_k);
@@ -111,8 +132,22 @@ impl SplitKvAttention {
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let dims = validate::check_tensors(q, k, v)?;
         validate::check_num_splits(self.num_splits)?;
+        validate::check_window_and_softcap(self.window_left, self.softcap)?;
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
+        }
+        // Without per-sequence lengths, the keys a window leaves out are cut off here, so that
+        // the split plan covers only the ones that are read.
+        if let (Some(window), None) = (self.window_left, &self.seqlens_k) {
+            let seen = window.saturating_add(dims.q_len).min(dims.kv_len);
+            if seen < dims.kv_len {
+                let skip = dims.kv_len - seen;
+                return q.apply_op3(
+                    &k.narrow(1, skip, seen)?,
+                    &v.narrow(1, skip, seen)?,
+                    self.clone(),
+                );
+            }
         }
         q.apply_op3(k, v, self.clone())
     }
@@ -162,6 +197,8 @@ impl SplitKvAttention {
             softmax_scale: self.softmax_scale,
             k_scale: self.k_scale,
             v_scale: self.v_scale,
+            window_left: self.window_left,
+            softcap: self.softcap,
             num_splits: self.num_splits,
             seqlens_k: self.seqlens_k.as_ref(),
             cuda_kernel: self.cuda_kernel,

@@ -196,6 +196,22 @@ pub fn check_seqlen_values(seqlens: &[u32], kv_len: usize) -> Result<()> {
     Ok(())
 }
 
+/// A window of at least one position, a finite positive soft cap.
+pub fn check_window_and_softcap(window_left: Option<usize>, softcap: Option<f32>) -> Result<()> {
+    if window_left == Some(0) {
+        bail!(
+            "split-kv attention: window_left must be at least 1 (a query then sees itself and the \
+             one before); use None for no window"
+        )
+    }
+    if let Some(c) = softcap {
+        if !(c.is_finite() && c > 0.0) {
+            bail!("split-kv attention: softcap must be finite and positive, got {c}; use None for no capping")
+        }
+    }
+    Ok(())
+}
+
 pub fn check_num_splits(num_splits: Option<usize>) -> Result<()> {
     if num_splits == Some(0) {
         bail!(

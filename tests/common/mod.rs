@@ -86,6 +86,21 @@ pub fn reference(
     scale: f32,
     seqlens: Option<&[u32]>,
 ) -> Result<Reference> {
+    reference_masked(q, k, v, scale, seqlens, None, None)
+}
+
+/// [`reference`] with a sliding window (a query at position p sees keys p − window ..= p) and
+/// soft-capping of the scaled scores (s → c·tanh(s/c)).
+#[allow(dead_code)]
+pub fn reference_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    seqlens: Option<&[u32]>,
+    window: Option<usize>,
+    softcap: Option<f32>,
+) -> Result<Reference> {
     let (b, t_len, h_q, d) = q.dims4()?;
     let (_, l, h_kv, _) = k.dims4()?;
     let group = h_q / h_kv;
@@ -115,19 +130,23 @@ pub fn reference(
             if visible == 0 {
                 return (o, f64::NEG_INFINITY);
             }
-            let scores: Vec<f64> = (0..visible)
+            let first = window.map_or(0, |w| (visible - 1).saturating_sub(w));
+            let scores: Vec<f64> = (first..visible)
                 .map(|t| {
                     let krow = &k[((bi * l + t) * h_kv + g) * d..][..d];
-                    qrow.iter()
+                    let s = qrow
+                        .iter()
                         .zip(krow)
                         .map(|(&a, &b)| a as f64 * b as f64)
                         .sum::<f64>()
-                        * scale as f64
+                        * scale as f64;
+                    softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let mut sum = 0f64;
-            for (t, score) in scores.iter().enumerate() {
+            for (i, score) in scores.iter().enumerate() {
+                let t = first + i;
                 let p = (score - max).exp();
                 sum += p;
                 let vrow = &v[((bi * l + t) * h_kv + g) * d..][..d];

@@ -63,14 +63,11 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const SplitRange range = split_range(p, split, len);
-    // Positions before the first query token's window are never streamed.
-    const int start = max(range.start, visible_begin(p, len, 0)), end = range.end;
+    const int start = range.start, end = range.end;
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
-    // In [shared_begin, shared_end) every query row sees every position; elsewhere row g sees
-    // [row_begin[g], row_end[g]).
+    // Below shared_end every query row sees every position; past it, row g sees up to row_end[g].
     const int shared_end = min(end, visible_end(len, 0, p.query_tokens));
-    const int shared_begin = visible_begin(p, len, p.query_tokens - 1);
-    int row_begin[GMAX], row_end[GMAX];
+    int row_end[GMAX];
 
     // Queries, pre-scaled so that scores come out in base 2.
     float q_reg[Cfg::kQInRegisters ? GMAX : 1][8];
@@ -89,7 +86,6 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     for (int g = 0; g < GMAX; ++g) {
         const QueryRow r = query(g);
         row_end[g] = r.head < 0 ? end : min(end, visible_end(len, r.token, p.query_tokens));
-        row_begin[g] = r.head < 0 ? start : visible_begin(p, len, r.token);
     }
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
@@ -190,13 +186,10 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 #pragma unroll
                 for (int g = 0; g < GMAX; ++g)
                     score[g][step] += __shfl_xor_sync(0xffffffffu, score[g][step], o);
-            const int pos = first + row;
-            const bool shared = pos < shared_end && pos >= shared_begin;
+            const bool shared = first + row < shared_end;
 #pragma unroll
             for (int g = 0; g < GMAX; ++g)
-                score[g][step] = shared || (pos < row_end[g] && pos >= row_begin[g])
-                    ? soft_capped(p, score[g][step])
-                    : -INFINITY;
+                score[g][step] = shared || first + row < row_end[g] ? score[g][step] : -INFINITY;
         }
 
         // Online softmax: one max per head over the warp tile, shared by all lanes.

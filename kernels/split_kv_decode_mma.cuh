@@ -189,7 +189,6 @@ struct MmaItem {
     int start, end;   // positions [start, end) of this split
     int len;          // positions of the sequence
     int shared_end;   // end, or below it the positions every query token sees (visible_end)
-    int shared_begin; // from here on every query token sees the positions (visible_begin)
     int my_tiles;     // tiles of the chunk this warp streams
     const char* k;    // row 0 of (b, kv_head)
     const char* v;
@@ -212,12 +211,10 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[it.b]);
     const SplitRange range = split_range(p, it.split, len);
-    // Positions before the first query token's window are never streamed.
-    it.start = max(range.start, visible_begin(p, len, 0));
+    it.start = range.start;
     it.end = range.end;
     it.len = len;
     it.shared_end = min(it.end, visible_end(len, 0, p.query_tokens));
-    it.shared_begin = visible_begin(p, len, p.query_tokens - 1);
     const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
@@ -348,27 +345,24 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     };
 
     // Q as A fragments, one set per k-step; rows past the group, and padding heads, are zero.
-    // row_begin, row_end: the positions that rows quad_row and quad_row + 8 see in the item.
+    // row_end: where the positions that rows quad_row and quad_row + 8 see end in the item.
     uint32_t q_frag[KSTEPS][4];
-    int row_begin[2], row_end[2];
+    int row_end[2];
     auto load_q = [&](const MmaItem& it) {
         const T* q = static_cast<const T*>(p.q) + it.b * p.q_batch_stride;
-        auto head_row = [&](int head, int& begin, int& end) -> const T* {
-            begin = it.start;
+        auto head_row = [&](int head, int& end) -> const T* {
             end = it.end;
             if (head >= group) return nullptr;
             const int real = real_row(it.kv_head * group + head, p.padded_group, p.real_group);
             if (real < 0) return nullptr;
             const QueryRow r = query_row(real, p.query_tokens);
-            begin = visible_begin(p, it.len, r.token);
             end = min(it.end, visible_end(it.len, r.token, p.query_tokens));
             return q + r.token * p.q_seq_stride + (long long)r.head * p.q_head_stride;
         };
-        const T* lo = head_row(quad_row, row_begin[0], row_end[0]);
+        const T* lo = head_row(quad_row, row_end[0]);
         const T* hi = nullptr;
-        row_begin[1] = it.start;
         row_end[1] = it.end;
-        if constexpr (kUpper) hi = head_row(quad_row + 8, row_begin[1], row_end[1]);
+        if constexpr (kUpper) hi = head_row(quad_row + 8, row_end[1]);
         auto q_pair = [](const T* row, int col) -> uint32_t {
             if (row == nullptr) return 0u;
             if constexpr (FP8) return to_f16x2(row + col);
@@ -529,7 +523,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                         for (int j = 0; j < 4; ++j) s[rb][nt][j] += s_odd[rb][nt][j];
             }
 
-            const bool full = first + ROWS <= it.shared_end && first >= it.shared_begin;
+            const bool full = first + ROWS <= it.shared_end;
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
@@ -537,9 +531,8 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const int row = first + rb * 16 + nt * 8 + quad_col * 2 + (j & 1);
-                        const bool seen = row < row_end[j >> 1] && row >= row_begin[j >> 1];
-                        s[rb][nt][j] = full || seen ? soft_capped(p, s[rb][nt][j] * p.scale_log2)
-                                                    : -INFINITY;
+                        s[rb][nt][j] =
+                            full || row < row_end[j >> 1] ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
                     }
 
             // base: the max the weights are taken against; 0 while a query row has seen nothing

@@ -144,6 +144,27 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
     assert_rejected(&[document, "--chunk-tokens", "10"], "--chunk-tokens");
     assert_rejected(&[document, "--max-new-tokens", "0"], "--max-new-tokens");
     assert_rejected(&[document, "--speculate", "16"], "--speculate");
+    assert_rejected(
+        &[document, "--temperature", "0.7", "--top-k", "0"],
+        "--top-k",
+    );
+    assert_rejected(
+        &[document, "--temperature", "0.7", "--top-p", "1.5"],
+        "--top-p",
+    );
+    assert_rejected(&[document, "--top-k", "40"], "give a --temperature above 0");
+    assert_rejected(
+        &[
+            document,
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--speculate",
+            "3",
+        ],
+        "do not work with --speculate",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -299,4 +320,28 @@ fn long_document_is_summarized_in_several_chunks() {
         stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0,
         "{stats}"
     );
+}
+
+/// A default model in the cache whose digest is not the pinned one is removed, never loaded: the
+/// summarizer exits 2 with a one-line reason.
+#[test]
+fn a_corrupted_default_model_is_removed_and_refused() {
+    let dir = scratch_dir("corrupted");
+    let document = dir.join("doc.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let cache = dir.join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let model = cache.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    std::fs::write(&model, b"GGUF, but cut short").unwrap();
+    let output = Command::new(binary())
+        .args([document.to_str().unwrap(), "--device", "cpu"])
+        .env("CANDLE_SPLITKV_CACHE", &cache)
+        .output()
+        .expect("the summarize binary starts");
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "stderr was {stderr:?}");
+    assert_eq!(stderr.lines().count(), 1, "stderr was {stderr:?}");
+    assert!(stderr.contains("corrupted or truncated"), "{stderr}");
+    assert!(!model.exists(), "the corrupted model was left in the cache");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

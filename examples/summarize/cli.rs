@@ -61,6 +61,19 @@ pub struct Args {
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
 
+    /// With --temperature above 0, sample only among the K most likely tokens.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+
+    /// With --temperature above 0, sample only among the most likely tokens whose probabilities
+    /// add up to P (nucleus sampling), in (0, 1]. With --top-k too, top-k applies first.
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f64>,
+
+    /// How many of the latest generated tokens the repeat penalty looks at.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub repeat_last_n: usize,
+
     /// Penalty on tokens the summary already used (1 disables it); keeps small models from looping.
     #[arg(long, default_value_t = 1.1, allow_negative_numbers = true)]
     pub repeat_penalty: f32,

@@ -6,10 +6,14 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 
+use crate::bad_input::bad_input;
+
 /// The fetch script, built into the binary so that it runs from any directory.
 const FETCH_SCRIPT: &str = include_str!("../../scripts/fetch-model.sh");
 /// How the script prefixes its error messages on stderr.
 const SCRIPT_ERROR_PREFIX: &str = "fetch-model.sh: ";
+/// The script's exit status when a file's digest is not the pinned one (the file is removed).
+const CORRUPTED_STATUS: i32 = 3;
 const HOW_TO_PASS_A_MODEL: &str =
     "pass a local model with --model PATH (a GGUF file, or a Hugging Face model directory)";
 
@@ -48,6 +52,10 @@ pub fn default_model_path(quiet: bool) -> Result<PathBuf> {
             .context("reading the output of the fetch script")?;
     }
     let status = child.wait().context("waiting for the fetch script")?;
+    if status.code() == Some(CORRUPTED_STATUS) {
+        let reason = reason.unwrap_or_else(|| "a file's digest is wrong".to_string());
+        bad_input!("the default model failed its check: {reason}");
+    }
     if !status.success() {
         let reason = reason.unwrap_or_else(|| format!("the fetch script failed ({status})"));
         bail!("cannot fetch the default model: {reason}; {HOW_TO_PASS_A_MODEL}");

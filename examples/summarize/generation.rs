@@ -6,14 +6,12 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_splitkv::models::llama::Llama;
 use candle_splitkv::models::speculative::{PromptLookup, Sampling, SpeculativeDecoder};
-use candle_transformers::generation::LogitsProcessor;
+use candle_transformers::generation::{LogitsProcessor, Sampling as GenerationSampling};
 use tokenizers::Tokenizer;
 
 /// Prefill goes through the model in slices of this many tokens, so progress can be shown while
 /// a long prompt is read. Large enough to keep the matrix products efficient.
 const PREFILL_SLICE: usize = 512;
-/// The repeat penalty looks at this many of the latest generated tokens.
-const REPEAT_WINDOW: usize = 64;
 
 /// How tokens are picked.
 #[derive(Debug, Clone, Copy)]
@@ -23,6 +21,12 @@ pub struct SamplingSettings {
     pub seed: u64,
     /// 1 means no penalty.
     pub repeat_penalty: f32,
+    /// The repeat penalty looks at this many of the latest generated tokens.
+    pub repeat_last_n: usize,
+    /// With a temperature: sample among the k most likely tokens only.
+    pub top_k: Option<usize>,
+    /// With a temperature: sample among the most likely tokens whose probabilities add up to p.
+    pub top_p: Option<f64>,
     /// Tokens drafted per verification pass by prompt lookup; 0 decodes one token a pass.
     pub speculate: usize,
 }
@@ -143,16 +147,26 @@ impl<'m> Generator<'m> {
             temperature,
             seed,
             repeat_penalty,
+            repeat_last_n,
+            top_k,
+            top_p,
             ..
         } = self.settings;
-        let mut sampler = LogitsProcessor::new(seed, Some(temperature), None);
+        let sampling = match (top_k, top_p) {
+            _ if temperature <= 0.0 => GenerationSampling::ArgMax,
+            (None, None) => GenerationSampling::All { temperature },
+            (Some(k), None) => GenerationSampling::TopK { k, temperature },
+            (None, Some(p)) => GenerationSampling::TopP { p, temperature },
+            (Some(k), Some(p)) => GenerationSampling::TopKThenTopP { k, p, temperature },
+        };
+        let mut sampler = LogitsProcessor::from_sampling(seed, sampling);
         let mut stream = self.tokenizer.decode_stream(true);
         let mut generated: Vec<u32> = Vec::new();
         let mut decode_tokens = 0;
         let start = Instant::now();
         loop {
             if repeat_penalty != 1.0 && !generated.is_empty() {
-                let window = &generated[generated.len().saturating_sub(REPEAT_WINDOW)..];
+                let window = &generated[generated.len().saturating_sub(repeat_last_n)..];
                 logits = candle_transformers::utils::apply_repeat_penalty(
                     &logits,
                     repeat_penalty,
@@ -210,7 +224,9 @@ impl<'m> Generator<'m> {
             temperature,
             seed,
             repeat_penalty,
+            repeat_last_n,
             speculate,
+            ..
         } = self.settings;
         // Plain decoding ends once the sequence fills the context.
         let limit = max_new_tokens.min(self.model.context_length() - prompt.len());
@@ -229,7 +245,7 @@ impl<'m> Generator<'m> {
             if repeat_penalty == 1.0 || generated.is_empty() {
                 return Ok(());
             }
-            let window = &generated[generated.len().saturating_sub(REPEAT_WINDOW)..];
+            let window = &generated[generated.len().saturating_sub(repeat_last_n)..];
             let logits = Tensor::from_slice(row, row.len(), &Device::Cpu)?;
             let penalized =
                 candle_transformers::utils::apply_repeat_penalty(&logits, repeat_penalty, window)?;

@@ -25,7 +25,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::Device;
 use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
-use candle_splitkv::summarize::ChatFormat;
+use candle_splitkv::summarize::ChatTemplate;
 use clap::Parser;
 
 use bad_input::{bad_input, BadInput};
@@ -91,24 +91,33 @@ fn run(args: &Args) -> Result<()> {
         model.set_cuda_graph(args.cuda_graph)?;
     }
     let kv_dtype = kv_dtype::kv_dtype_name(model.cache_dtype());
-    let format = ChatFormat::detect(loaded.chat_template.as_deref());
+    let token_text = |id: Option<u32>| {
+        id.and_then(|id| loaded.tokenizer.id_to_token(id))
+            .unwrap_or_default()
+    };
+    let chat = match ChatTemplate::new(
+        loaded.chat_template.as_deref(),
+        &token_text(loaded.bos_token_id),
+        &token_text(loaded.eos_token_ids.first().copied()),
+    ) {
+        Ok(chat) => chat,
+        Err(e) => bad_input!("cannot use the model {}: {e}", model_path.display()),
+    };
     let mut stop_tokens = loaded.eos_token_ids.clone();
-    stop_tokens.extend(loaded.tokenizer.token_to_id(format.end_of_turn()));
+    stop_tokens.extend(loaded.tokenizer.token_to_id(chat.end_of_turn()));
 
     let settings = SamplingSettings {
         temperature: args.temperature,
         seed: args.seed,
         repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
+        top_k: args.top_k,
+        top_p: args.top_p,
         speculate: args.speculate,
     };
     let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
-    let summary = Summarizer::new(
-        &mut generator,
-        format,
-        args.chunk_tokens,
-        args.max_new_tokens,
-    )
-    .summarize(&document, &mut progress, !args.json)?;
+    let summary = Summarizer::new(&mut generator, chat, args.chunk_tokens, args.max_new_tokens)
+        .summarize(&document, &mut progress, !args.json)?;
     progress.clear();
 
     let info = RunInfo {
@@ -144,6 +153,21 @@ fn check_options(args: &Args) -> Result<()> {
     }
     if args.max_new_tokens == 0 {
         bad_input!("--max-new-tokens must be at least 1");
+    }
+    if args.top_k == Some(0) {
+        bad_input!("--top-k must be at least 1");
+    }
+    if let Some(p) = args.top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            bad_input!("--top-p must be in (0, 1], got {p}");
+        }
+    }
+    let truncated = args.top_k.is_some() || args.top_p.is_some();
+    if truncated && args.temperature == 0.0 {
+        bad_input!("--top-k and --top-p choose among sampled tokens; give a --temperature above 0");
+    }
+    if truncated && args.speculate > 0 {
+        bad_input!("--top-k and --top-p do not work with --speculate yet; use one or the other");
     }
     // A verification pass holds the last token and the drafts.
     let most_drafts = candle_splitkv::MAX_QUERY_TOKENS - 1;

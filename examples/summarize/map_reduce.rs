@@ -2,7 +2,7 @@
 //! this runs the generations, shows their progress and streams the final summary.
 
 use anyhow::{anyhow, Result};
-use candle_splitkv::summarize::{ChatFormat, MapReduce, Round, SummarizeError};
+use candle_splitkv::summarize::{ChatTemplate, MapReduce, Round, SummarizeError};
 
 use crate::bad_input::BadInput;
 use crate::generation::{GenerationObserver, Generator, Timing};
@@ -24,7 +24,7 @@ pub struct Summary {
 /// Summarizes documents, cutting them to fit the model's context.
 pub struct Summarizer<'g, 'm> {
     generator: &'g mut Generator<'m>,
-    format: ChatFormat,
+    chat: ChatTemplate,
     chunk_tokens: usize,
     /// Limit of the final summary.
     max_new_tokens: usize,
@@ -35,13 +35,13 @@ pub struct Summarizer<'g, 'm> {
 impl<'g, 'm> Summarizer<'g, 'm> {
     pub fn new(
         generator: &'g mut Generator<'m>,
-        format: ChatFormat,
+        chat: ChatTemplate,
         chunk_tokens: usize,
         max_new_tokens: usize,
     ) -> Self {
         Self {
             generator,
-            format,
+            chat,
             chunk_tokens,
             max_new_tokens,
             generations: 0,
@@ -58,7 +58,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
     ) -> Result<Summary> {
         let mut plan = MapReduce::new(
             self.generator.tokenizer(),
-            self.format,
+            self.chat.clone(),
             self.generator.context_length(),
             self.chunk_tokens,
             self.max_new_tokens,

@@ -28,6 +28,11 @@ pub enum SummarizeError {
     AllSummariesEmpty,
     /// The final answer was empty.
     EmptySummary,
+    /// The model's chat template does not parse or render.
+    ChatTemplate {
+        /// The template engine's message.
+        reason: String,
+    },
 }
 
 impl fmt::Display for SummarizeError {
@@ -53,6 +58,9 @@ impl fmt::Display for SummarizeError {
                 f.write_str("the model wrote an empty summary for every part of the document")
             }
             SummarizeError::EmptySummary => f.write_str("the model wrote an empty summary"),
+            SummarizeError::ChatTemplate { reason } => {
+                write!(f, "the model's chat template cannot be rendered: {reason}")
+            }
         }
     }
 }

@@ -11,7 +11,7 @@ use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::prompts::{encode_prompt, prompt_overhead, Task};
 use super::whole_sentences::drop_unfinished_sentence;
-use super::{ChatFormat, SummarizeError};
+use super::{ChatTemplate, SummarizeError};
 
 /// The generations to run next: each prompt is answered by a generation of at most
 /// `max_new_tokens` tokens that starts from an empty cache.
@@ -54,7 +54,7 @@ pub enum Round {
 /// answer is cut back to its last whole sentence.
 pub struct MapReduce<'t> {
     tokenizer: &'t Tokenizer,
-    format: ChatFormat,
+    chat: ChatTemplate,
     budgets: Budgets,
     document_tokens: usize,
     chunks: usize,
@@ -70,16 +70,16 @@ impl<'t> MapReduce<'t> {
     /// its size; the error says the largest limit that does.
     pub fn new(
         tokenizer: &'t Tokenizer,
-        format: ChatFormat,
+        chat: ChatTemplate,
         context_length: usize,
         chunk_tokens: usize,
         max_new_tokens: usize,
     ) -> Result<Self, SummarizeError> {
-        let overhead = prompt_overhead(tokenizer, format)?;
+        let overhead = prompt_overhead(tokenizer, &chat)?;
         let budgets = Budgets::new(context_length, overhead, chunk_tokens, max_new_tokens)?;
         Ok(Self {
             tokenizer,
-            format,
+            chat,
             budgets,
             document_tokens: 0,
             chunks: 0,
@@ -164,7 +164,7 @@ impl<'t> MapReduce<'t> {
 
     fn final_round(&self, task: Task) -> Result<Round, SummarizeError> {
         Ok(Round::Final {
-            prompt: encode_prompt(self.tokenizer, self.format, task)?,
+            prompt: encode_prompt(self.tokenizer, &self.chat, task)?,
             max_new_tokens: self.budgets.final_summary,
         })
     }
@@ -174,7 +174,7 @@ impl<'t> MapReduce<'t> {
         tasks: impl Iterator<Item = Task<'a>>,
     ) -> Result<Vec<Vec<u32>>, SummarizeError> {
         tasks
-            .map(|task| encode_prompt(self.tokenizer, self.format, task))
+            .map(|task| encode_prompt(self.tokenizer, &self.chat, task))
             .collect()
     }
 }
@@ -183,7 +183,7 @@ impl<'t> MapReduce<'t> {
 impl fmt::Debug for MapReduce<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MapReduce")
-            .field("format", &self.format)
+            .field("chat", &self.chat)
             .field("budgets", &self.budgets)
             .field("document_tokens", &self.document_tokens)
             .field("chunks", &self.chunks)
@@ -207,7 +207,7 @@ mod tests {
     }
 
     fn prompt_tokens(tokenizer: &Tokenizer, task: Task) -> usize {
-        encode_prompt(tokenizer, ChatFormat::ChatMl, task)
+        encode_prompt(tokenizer, &ChatTemplate::chatml(), task)
             .unwrap()
             .len()
     }
@@ -215,14 +215,14 @@ mod tests {
     #[test]
     fn a_short_document_is_summarized_at_once() {
         let tokenizer = word_tokenizer();
-        let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 1024, 200).unwrap();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 1024, 200).unwrap();
         let round = plan.start("\n  Short text. Two sentences.  \n").unwrap();
         assert_eq!(
             round,
             Round::Final {
                 prompt: encode_prompt(
                     &tokenizer,
-                    ChatFormat::ChatMl,
+                    &ChatTemplate::chatml(),
                     Task::Document("Short text. Two sentences.")
                 )
                 .unwrap(),
@@ -243,7 +243,7 @@ mod tests {
     #[test]
     fn a_long_document_is_summarized_in_parts_then_merged() {
         let tokenizer = word_tokenizer();
-        let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 64, 200).unwrap();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 200).unwrap();
         // Two paragraphs of 30 tokens fit a chunk of 64, three do not.
         let document = paragraphs(10, 30).join("\n\n");
         let Round::Parts {
@@ -272,8 +272,12 @@ mod tests {
         assert_eq!(
             plan.next_round(&answers).unwrap(),
             Round::Final {
-                prompt: encode_prompt(&tokenizer, ChatFormat::ChatMl, Task::Summaries(&merged))
-                    .unwrap(),
+                prompt: encode_prompt(
+                    &tokenizer,
+                    &ChatTemplate::chatml(),
+                    Task::Summaries(&merged)
+                )
+                .unwrap(),
                 max_new_tokens: 200,
             }
         );
@@ -283,7 +287,7 @@ mod tests {
     #[test]
     fn summaries_too_long_to_merge_at_once_take_more_rounds() {
         let tokenizer = word_tokenizer();
-        let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 64, 200).unwrap();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 200).unwrap();
         let Round::Parts { prompts, .. } = plan.start(&paragraphs(10, 30).join("\n\n")).unwrap()
         else {
             panic!("expected the summaries of the parts");
@@ -320,7 +324,7 @@ mod tests {
     #[test]
     fn summaries_that_do_not_shrink_are_an_error() {
         let tokenizer = word_tokenizer();
-        let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 64, 200).unwrap();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 200).unwrap();
         // Each summary alone exceeds what one merge reads.
         assert_eq!(
             plan.next_round(&paragraphs(2, 300)).unwrap_err(),
@@ -331,7 +335,7 @@ mod tests {
     #[test]
     fn all_empty_answers_are_an_error() {
         let tokenizer = word_tokenizer();
-        let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 64, 200).unwrap();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 200).unwrap();
         let answers = ["", " \n "].map(String::from);
         assert_eq!(
             plan.next_round(&answers).unwrap_err(),
@@ -342,8 +346,8 @@ mod tests {
     #[test]
     fn a_summary_limit_too_large_for_the_context_is_rejected() {
         let tokenizer = word_tokenizer();
-        let overhead = prompt_overhead(&tokenizer, ChatFormat::ChatMl).unwrap();
-        let error = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 512, 1024, 400)
+        let overhead = prompt_overhead(&tokenizer, &ChatTemplate::chatml()).unwrap();
+        let error = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 512, 1024, 400)
             .err()
             .unwrap();
         assert_eq!(

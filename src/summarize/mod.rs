@@ -5,12 +5,12 @@
 //! [`MapReduce`] plans the generations and the caller runs them, on any model:
 //!
 //! ```no_run
-//! use candle_splitkv::summarize::{decode_text, ChatFormat, MapReduce, Round};
+//! use candle_splitkv::summarize::{decode_text, ChatTemplate, MapReduce, Round};
 //! # fn generate(prompt: &[u32], max_new_tokens: usize) -> String { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
 //! let document = decode_text("notes.txt", bytes)?;
-//! let mut plan = MapReduce::new(&tokenizer, ChatFormat::ChatMl, 8192, 1024, 200)?;
+//! let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 1024, 200)?;
 //! let mut round = plan.start(&document)?;
 //! let summary = loop {
 //!     round = match round {
@@ -30,7 +30,7 @@
 //! `examples/summarize` is a complete command-line summarizer built on them.
 
 mod budgets;
-mod chat_format;
+mod chat_template;
 mod chunking;
 mod document;
 mod error;
@@ -40,7 +40,7 @@ mod prompts;
 mod test_tokenizer;
 mod whole_sentences;
 
-pub use chat_format::ChatFormat;
+pub use chat_template::ChatTemplate;
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
 pub use map_reduce::{MapReduce, Round};

@@ -2,7 +2,7 @@
 
 use tokenizers::Tokenizer;
 
-use super::{ChatFormat, SummarizeError};
+use super::{ChatTemplate, SummarizeError};
 
 /// Without a system message SmolLM2 ends its answer before writing anything.
 const SYSTEM: &str = "You are a helpful assistant who writes concise, accurate summaries.";
@@ -38,10 +38,10 @@ impl Task<'_> {
 /// recognized as such.
 pub(crate) fn encode_prompt(
     tokenizer: &Tokenizer,
-    format: ChatFormat,
+    chat: &ChatTemplate,
     task: Task,
 ) -> Result<Vec<u32>, SummarizeError> {
-    let prompt = format.render(SYSTEM, &task.user_message());
+    let prompt = chat.render(SYSTEM, &task.user_message())?;
     let encoding = tokenizer
         .encode(prompt.as_str(), false)
         .map_err(SummarizeError::tokenizing("the prompt"))?;
@@ -51,11 +51,11 @@ pub(crate) fn encode_prompt(
 /// The most tokens a prompt takes besides the text it carries.
 pub(crate) fn prompt_overhead(
     tokenizer: &Tokenizer,
-    format: ChatFormat,
+    chat: &ChatTemplate,
 ) -> Result<usize, SummarizeError> {
     let mut overhead = 0;
     for task in [Task::Document(""), Task::Part(""), Task::Summaries("")] {
-        overhead = overhead.max(encode_prompt(tokenizer, format, task)?.len());
+        overhead = overhead.max(encode_prompt(tokenizer, chat, task)?.len());
     }
     Ok(overhead)
 }
@@ -81,12 +81,15 @@ mod tests {
     fn prompts_carry_the_system_message_and_the_text() {
         let tokenizer = word_tokenizer();
         let words = |s: &str| s.split_whitespace().count();
-        let prompt = ChatFormat::ChatMl.render(SYSTEM, &Task::Part("a b c").user_message());
+        let prompt = ChatTemplate::chatml()
+            .render(SYSTEM, &Task::Part("a b c").user_message())
+            .unwrap();
         assert!(prompt.contains(SYSTEM));
-        let tokens = encode_prompt(&tokenizer, ChatFormat::ChatMl, Task::Part("a b c")).unwrap();
+        let tokens =
+            encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Part("a b c")).unwrap();
         assert_eq!(tokens.len(), words(&prompt));
         // The overhead is that of the longest instruction, without the text.
-        let overhead = prompt_overhead(&tokenizer, ChatFormat::ChatMl).unwrap();
+        let overhead = prompt_overhead(&tokenizer, &ChatTemplate::chatml()).unwrap();
         assert_eq!(overhead, tokens.len() - 3);
     }
 }

@@ -30,6 +30,8 @@ impl Module for LinearWeight {
 pub struct Linear {
     single_row: LinearWeight,
     many_rows: Option<LinearWeight>,
+    /// `(out,)`, added to every row.
+    bias: Option<Tensor>,
 }
 
 impl Linear {
@@ -38,6 +40,20 @@ impl Linear {
         Self {
             single_row: weight,
             many_rows: None,
+            bias: None,
+        }
+    }
+
+    /// The same layer with `bias` `(out,)` added to every output row.
+    pub fn with_bias(mut self, bias: Tensor) -> Self {
+        self.bias = Some(bias);
+        self
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        match &self.bias {
+            Some(bias) => y.broadcast_add(bias),
+            None => Ok(y),
         }
     }
 
@@ -51,6 +67,7 @@ impl Linear {
         Self {
             single_row,
             many_rows: Some(many_rows),
+            bias: None,
         }
     }
 }
@@ -59,7 +76,7 @@ impl Linear {
     /// Every row in the single-row form, as a decode step multiplies it: for the few tokens of
     /// a verification pass, whose logits should be those decoding would see.
     pub fn forward_single_row_form(&self, x: &Tensor) -> Result<Tensor> {
-        self.single_row.forward(x)
+        self.add_bias(self.single_row.forward(x)?)
     }
 }
 
@@ -69,9 +86,10 @@ impl Module for Linear {
         let rows = x.dims()[..x.rank().saturating_sub(1)]
             .iter()
             .product::<usize>();
-        match &self.many_rows {
-            Some(many_rows) if rows > 1 => many_rows.forward(x),
-            _ => self.single_row.forward(x),
-        }
+        let y = match &self.many_rows {
+            Some(many_rows) if rows > 1 => many_rows.forward(x)?,
+            _ => self.single_row.forward(x)?,
+        };
+        self.add_bias(y)
     }
 }

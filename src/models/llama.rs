@@ -59,7 +59,8 @@ pub struct LoadOptions {
     /// Positions allocated per layer cache up front; the cache doubles from there.
     pub initial_cache_capacity: usize,
     /// Join each layer's dense projections (q/k/v, gate/up) for the fused decode kernels.
-    /// `None`: where those kernels run, i.e. f16/bf16 on CUDA. Dense (HF) checkpoints only.
+    /// `None`: where those kernels run, i.e. f16/bf16 on CUDA. Dense (HF) checkpoints without
+    /// attention biases only (the fused kernels add none): Qwen2 layers stay separate.
     pub joined_layers: Option<bool>,
 }
 
@@ -314,10 +315,12 @@ impl Llama {
     ) -> Result<Self> {
         config.validate()?;
         let c = &config;
-        // On CUDA, dense 16-bit weights decode through the fused kernels (see `fused_linear`).
-        let join = options
-            .joined_layers
-            .unwrap_or_else(|| vb.device().is_cuda() && matches!(dtype, DType::F16 | DType::BF16));
+        // On CUDA, dense 16-bit weights decode through the fused kernels (see `fused_linear`),
+        // which take no biases.
+        let join = !c.attention_bias
+            && options.joined_layers.unwrap_or_else(|| {
+                vb.device().is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
+            });
         let eps = c.rms_norm_eps as f32;
         let matrix = |vb: &VarBuilder, out: usize, inp: usize| vb.get((out, inp), "weight");
         let norm_weight = |vb: VarBuilder| vb.get(c.hidden_size, "weight");
@@ -358,12 +361,19 @@ impl Llama {
                         c.head_dim,
                     )?));
                 }
+                let projection = |weight: Tensor, name: &str, size: usize| -> Result<Linear> {
+                    let linear = Linear::dense(weight);
+                    if !c.attention_bias {
+                        return Ok(linear);
+                    }
+                    Ok(linear.with_bias(attn.pp(name).get(size, "bias")?))
+                };
                 Ok(Layer::Separate(Box::new(DecoderLayer {
                     input_norm: norm(&t.input_norm),
                     attention: SelfAttention {
-                        q_proj: Linear::dense(t.q),
-                        k_proj: Linear::dense(t.k),
-                        v_proj: Linear::dense(t.v),
+                        q_proj: projection(t.q, "q_proj", q_size)?,
+                        k_proj: projection(t.k, "k_proj", kv_size)?,
+                        v_proj: projection(t.v, "v_proj", kv_size)?,
                         o_proj: Linear::dense(t.o),
                         q_heads: c.num_attention_heads,
                         kv_heads: c.num_key_value_heads,

@@ -37,9 +37,14 @@ pub struct LlamaConfig {
     /// The context length: positions covered by the RoPE tables and the KV cache.
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
+    /// Biases on the q, k and v projections (Qwen2).
+    pub attention_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
+
+/// The `model_type`s of an HF config.json this decoder runs.
+pub const SUPPORTED_MODEL_TYPES: [&str; 2] = ["llama", "qwen2"];
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -87,6 +92,8 @@ struct HfConfig {
     attention_bias: bool,
     #[serde(default)]
     mlp_bias: bool,
+    model_type: Option<String>,
+    use_sliding_window: Option<bool>,
 }
 
 /// `generation_config.json` often lists more end-of-turn tokens than `config.json`.
@@ -100,8 +107,24 @@ impl LlamaConfig {
     pub fn from_hf_json(json: &str) -> Result<Self> {
         let hf: HfConfig = serde_json::from_str(json)
             .map_err(|e| candle_core::Error::Msg(format!("llama config.json: {e}")))?;
-        if hf.attention_bias || hf.mlp_bias {
-            bail!("llama config.json: attention_bias / mlp_bias are not supported (Llama has no biases)")
+        let model_type = hf.model_type.as_deref().unwrap_or("llama");
+        let attention_bias = match model_type {
+            "llama" => hf.attention_bias,
+            // Qwen2 always has q/k/v biases; its config does not say so.
+            "qwen2" => true,
+            other => bail!(
+                "config.json: model_type `{other}` is not supported; supported: {}",
+                SUPPORTED_MODEL_TYPES.join(", ")
+            ),
+        };
+        if hf.mlp_bias {
+            bail!("config.json: mlp_bias is not supported (MLP projections without biases only)")
+        }
+        if hf.use_sliding_window == Some(true) {
+            bail!(
+                "config.json: use_sliding_window is not supported yet (full attention on every \
+                 layer only)"
+            )
         }
         let rope_scaling = match hf.rope_scaling {
             None => None,
@@ -123,6 +146,7 @@ impl LlamaConfig {
             rope_scaling,
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            attention_bias,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
         };
@@ -207,6 +231,7 @@ impl LlamaConfig {
             rope_scaling,
             max_position_embeddings: usize_of("llama.context_length")?,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
+            attention_bias: false,
             bos_token_id: md
                 .get("tokenizer.ggml.bos_token_id")
                 .map(|v| v.to_u32())

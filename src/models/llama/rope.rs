@@ -232,6 +232,7 @@ mod tests {
             rope_scaling: scaling,
             max_position_embeddings: 64,
             tie_word_embeddings: false,
+            attention_bias: false,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

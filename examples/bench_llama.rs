@@ -140,6 +140,7 @@ fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> Ll
         max_position_embeddings: max_context + CONTEXT_MARGIN,
         tie_word_embeddings: false,
         attention_bias: false,
+        qk_norm: false,
         bos_token_id: None,
         eos_token_ids: vec![],
     }

@@ -60,7 +60,8 @@ pub struct LoadOptions {
     pub initial_cache_capacity: usize,
     /// Join each layer's dense projections (q/k/v, gate/up) for the fused decode kernels.
     /// `None`: where those kernels run, i.e. f16/bf16 on CUDA. Dense (HF) checkpoints without
-    /// attention biases only (the fused kernels add none): Qwen2 layers stay separate.
+    /// attention biases or q/k norms only (the fused kernels have neither): Qwen2 and Qwen3
+    /// layers stay separate.
     pub joined_layers: Option<bool>,
 }
 
@@ -146,6 +147,8 @@ struct SelfAttention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    qk_norms: Option<(RmsNorm, RmsNorm)>,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -172,6 +175,10 @@ impl SelfAttention {
         let v = rows
             .project(&self.v_proj, x)?
             .reshape((b, t, self.kv_heads, self.head_dim))?;
+        let (q, k) = match &self.qk_norms {
+            Some((q_norm, k_norm)) => (q_norm.forward(&q)?, k_norm.forward(&k)?),
+            None => (q, k),
+        };
         let q = angles.apply(&q)?;
         let k = angles.apply(&k)?;
         let y = positions.attend(attention, (&q, &k, &v), cache)?;
@@ -318,6 +325,7 @@ impl Llama {
         // On CUDA, dense 16-bit weights decode through the fused kernels (see `fused_linear`),
         // which take no biases.
         let join = !c.attention_bias
+            && !c.qk_norm
             && options.joined_layers.unwrap_or_else(|| {
                 vb.device().is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
             });
@@ -368,6 +376,14 @@ impl Llama {
                     }
                     Ok(linear.with_bias(attn.pp(name).get(size, "bias")?))
                 };
+                let qk_norms = if c.qk_norm {
+                    let head_norm = |name: &str| -> Result<RmsNorm> {
+                        Ok(norm(&attn.pp(name).get(c.head_dim, "weight")?))
+                    };
+                    Some((head_norm("q_norm")?, head_norm("k_norm")?))
+                } else {
+                    None
+                };
                 Ok(Layer::Separate(Box::new(DecoderLayer {
                     input_norm: norm(&t.input_norm),
                     attention: SelfAttention {
@@ -375,6 +391,7 @@ impl Llama {
                         k_proj: projection(t.k, "k_proj", kv_size)?,
                         v_proj: projection(t.v, "v_proj", kv_size)?,
                         o_proj: Linear::dense(t.o),
+                        qk_norms,
                         q_heads: c.num_attention_heads,
                         kv_heads: c.num_key_value_heads,
                         head_dim: c.head_dim,

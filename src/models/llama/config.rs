@@ -39,12 +39,14 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2).
     pub attention_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 /// The `model_type`s of an HF config.json this decoder runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 2] = ["llama", "qwen2"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -108,10 +110,11 @@ impl LlamaConfig {
         let hf: HfConfig = serde_json::from_str(json)
             .map_err(|e| candle_core::Error::Msg(format!("llama config.json: {e}")))?;
         let model_type = hf.model_type.as_deref().unwrap_or("llama");
-        let attention_bias = match model_type {
-            "llama" => hf.attention_bias,
+        let (attention_bias, qk_norm) = match model_type {
+            "llama" => (hf.attention_bias, false),
             // Qwen2 always has q/k/v biases; its config does not say so.
-            "qwen2" => true,
+            "qwen2" => (true, false),
+            "qwen3" => (hf.attention_bias, true),
             other => bail!(
                 "config.json: model_type `{other}` is not supported; supported: {}",
                 SUPPORTED_MODEL_TYPES.join(", ")
@@ -147,6 +150,7 @@ impl LlamaConfig {
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             attention_bias,
+            qk_norm,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
         };
@@ -232,6 +236,7 @@ impl LlamaConfig {
             max_position_embeddings: usize_of("llama.context_length")?,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
             attention_bias: false,
+            qk_norm: false,
             bos_token_id: md
                 .get("tokenizer.ggml.bos_token_id")
                 .map(|v| v.to_u32())

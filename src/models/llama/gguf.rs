@@ -241,6 +241,7 @@ fn weights_in_chosen_forms(
         layers.push(Layer::Separate(Box::new(DecoderLayer {
             input_norm,
             attention: SelfAttention {
+                qk_norms: None,
                 q_proj: matrix("attn_q")?,
                 k_proj: matrix("attn_k")?,
                 v_proj: matrix("attn_v")?,

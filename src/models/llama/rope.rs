@@ -233,6 +233,7 @@ mod tests {
             max_position_embeddings: 64,
             tie_word_embeddings: false,
             attention_bias: false,
+            qk_norm: false,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

@@ -38,7 +38,8 @@ const DEFAULT_INITIAL_CACHE_CAPACITY: usize = 1024;
 pub struct LoadOptions {
     pub backend: AttentionBackend,
     /// Activation, cache and dense-weight dtype. `None`: f32 on the CPU; on other devices the
-    /// checkpoint's `torch_dtype` (bf16 when absent). GGUF models always run in f32.
+    /// checkpoint's `torch_dtype` (bf16 when absent). GGUF models run in f32, except small llama
+    /// ones on CUDA, which run dense in bf16 (f16 or bf16 may be asked for there).
     pub dtype: Option<DType>,
     /// How GGUF weight forms are chosen.
     pub weight_forms: WeightFormPolicy,

@@ -45,6 +45,26 @@ pub struct LlamaConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The `general.architecture`s of a GGUF file this decoder runs.
+pub const SUPPORTED_GGUF_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// A GGUF file's `general.architecture`, checked to be one this decoder runs.
+pub(crate) fn gguf_architecture(content: &gguf_file::Content) -> Result<&str> {
+    let arch = content
+        .metadata
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .map(String::as_str)
+        .unwrap_or("(missing)");
+    if !SUPPORTED_GGUF_ARCHITECTURES.contains(&arch) {
+        bail!(
+            "gguf: general.architecture is `{arch}`; supported: {}",
+            SUPPORTED_GGUF_ARCHITECTURES.join(", ")
+        )
+    }
+    Ok(arch)
+}
+
 /// The `model_type`s of an HF config.json this decoder runs.
 pub const SUPPORTED_MODEL_TYPES: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
@@ -174,69 +194,65 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// Reads the `llama.*` and `tokenizer.ggml.*` metadata of a GGUF file.
+    /// Reads the `{arch}.*` and `tokenizer.ggml.*` metadata of a GGUF file, `arch` being its
+    /// `general.architecture`, one of [`SUPPORTED_GGUF_ARCHITECTURES`].
     pub(crate) fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
         let md = &content.metadata;
-        let arch = md
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .map(String::as_str)
-            .unwrap_or("(missing)");
-        if arch != "llama" {
-            bail!("gguf: general.architecture is `{arch}`, only `llama` is supported")
-        }
-        let usize_of = |key: &str| -> Result<usize> { Ok(required(md, key)?.to_u32()? as usize) };
-        let hidden_size = usize_of("llama.embedding_length")?;
-        let num_attention_heads = usize_of("llama.attention.head_count")?;
-        let num_key_value_heads = match md.get("llama.attention.head_count_kv") {
+        let arch = gguf_architecture(content)?;
+        let key = |name: &str| format!("{arch}.{name}");
+        let usize_of =
+            |name: &str| -> Result<usize> { Ok(required(md, &key(name))?.to_u32()? as usize) };
+        let hidden_size = usize_of("embedding_length")?;
+        let num_attention_heads = usize_of("attention.head_count")?;
+        let num_key_value_heads = match md.get(&key("attention.head_count_kv")) {
             Some(v) => v.to_u32()? as usize,
             None => num_attention_heads,
         };
-        let head_dim = match md.get("llama.attention.key_length") {
+        let head_dim = match md.get(&key("attention.key_length")) {
             Some(v) => v.to_u32()? as usize,
             None => hidden_size / num_attention_heads.max(1),
         };
-        let vocab_size = match md.get("llama.vocab_size") {
+        let vocab_size = match md.get(&key("vocab_size")) {
             Some(v) => v.to_u32()? as usize,
             None => match md.get("tokenizer.ggml.tokens") {
                 Some(tokens) => tokens.to_vec()?.len(),
                 None => {
-                    bail!("gguf: neither llama.vocab_size nor tokenizer.ggml.tokens is present")
+                    bail!("gguf: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
                 }
             },
         };
         let rope_scaling = match md
-            .get("llama.rope.scaling.type")
+            .get(&key("rope.scaling.type"))
             .map(|v| v.to_string().map(String::as_str))
             .transpose()?
         {
             None | Some("none") => None,
             Some("linear") => Some(RopeScaling::Linear {
-                factor: required(md, "llama.rope.scaling.factor")?.to_f32()?,
+                factor: required(md, &key("rope.scaling.factor"))?.to_f32()?,
             }),
             Some(other) => bail!(
-                "gguf: llama.rope.scaling.type `{other}` is not supported; supported: none, linear \
-                 (Llama 3 scaling comes as the rope_freqs tensor)"
+                "gguf: {arch}.rope.scaling.type `{other}` is not supported; supported: none, \
+                 linear (Llama 3 scaling comes as the rope_freqs tensor)"
             ),
         };
         let config = Self {
             hidden_size,
-            intermediate_size: usize_of("llama.feed_forward_length")?,
+            intermediate_size: usize_of("feed_forward_length")?,
             vocab_size,
-            num_hidden_layers: usize_of("llama.block_count")?,
+            num_hidden_layers: usize_of("block_count")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: required(md, "llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64,
-            rope_theta: match md.get("llama.rope.freq_base") {
+            rms_norm_eps: required(md, &key("attention.layer_norm_rms_epsilon"))?.to_f32()? as f64,
+            rope_theta: match md.get(&key("rope.freq_base")) {
                 Some(v) => v.to_f32()?,
                 None => 10_000.0,
             },
             rope_scaling,
-            max_position_embeddings: usize_of("llama.context_length")?,
+            max_position_embeddings: usize_of("context_length")?,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
-            attention_bias: false,
-            qk_norm: false,
+            attention_bias: arch == "qwen2",
+            qk_norm: arch == "qwen3",
             bos_token_id: md
                 .get("tokenizer.ggml.bos_token_id")
                 .map(|v| v.to_u32())

@@ -12,6 +12,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
+use super::config::gguf_architecture;
 use super::joined::{JoinedHead, JoinedLayer, LayerTensors};
 use super::{
     DecoderLayer, Head, Layer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout,
@@ -40,7 +41,12 @@ const CUDA_DENSE_MAX_BYTES: usize = 1 << 30;
 
 /// The dtype a GGUF model runs in: f32 with its weights in the chosen forms, or on CUDA f16/bf16
 /// with dense, joined layers.
-fn run_dtype(content: &Content, device: &Device, options: &LoadOptions) -> Result<DType> {
+fn run_dtype(
+    content: &Content,
+    config: &LlamaConfig,
+    device: &Device,
+    options: &LoadOptions,
+) -> Result<DType> {
     match options.dtype {
         None | Some(DType::F32) if !device.is_cuda() => Ok(DType::F32),
         Some(DType::F32) => Ok(DType::F32),
@@ -57,8 +63,11 @@ fn run_dtype(content: &Content, device: &Device, options: &LoadOptions) -> Resul
                 .filter(|(name, _)| name.starts_with("blk."))
                 .map(|(_, info)| info.shape.elem_count())
                 .sum();
+            // The fused kernels add no biases and norm no heads (Qwen2, Qwen3).
             let dense = options.weight_forms == WeightFormPolicy::Measure
-                && 2 * elements <= CUDA_DENSE_MAX_BYTES;
+                && 2 * elements <= CUDA_DENSE_MAX_BYTES
+                && !config.attention_bias
+                && !config.qk_norm;
             Ok(if dense { DType::BF16 } else { DType::F32 })
         }
     }
@@ -82,7 +91,19 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
         .get("tokenizer.chat_template")
         .and_then(|v| v.to_string().ok())
         .cloned();
-    let dtype = run_dtype(&content, device, &options)?;
+    let dtype = run_dtype(&content, &config, device, &options)?;
+    if dtype != DType::F32 && (config.attention_bias || config.qk_norm) {
+        bail!(
+            "llama: {} GGUF models run in f32 (the fused bf16 kernels take no q/k/v biases or \
+             q/k norms), got dtype {dtype:?}",
+            gguf_architecture(&content)?
+        )
+    }
+    // llama GGUFs permute q/k rows for interleaved pairs; qwen2 and qwen3 keep HF's halves.
+    let rope_layout = match gguf_architecture(&content)? {
+        "llama" => RopeLayout::Interleaved,
+        _ => RopeLayout::Halves,
+    };
     let mut read = |name: &str| content.tensor(&mut reader, name, device);
     // Llama 3.1 GGUFs carry their long-context scaling as per-frequency divisors.
     let rope_freq_factors = if content.tensor_infos.contains_key("rope_freqs.weight") {
@@ -103,8 +124,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
     let mut model = Llama::from_parts(
         config,
         weights,
-        // GGUF llama q/k rows are permuted for interleaved pairs.
-        RopeLayout::Interleaved,
+        rope_layout,
         rope_freq_factors.as_deref(),
         dtype,
         device,
@@ -231,6 +251,22 @@ fn weights_in_chosen_forms(
     for layer in 0..config.num_hidden_layers {
         let input_norm = norm(read, &format!("blk.{layer}.attn_norm.weight"))?;
         let post_attention_norm = norm(read, &format!("blk.{layer}.ffn_norm.weight"))?;
+        let qk_norms = if config.qk_norm {
+            Some((
+                norm(read, &format!("blk.{layer}.attn_q_norm.weight"))?,
+                norm(read, &format!("blk.{layer}.attn_k_norm.weight"))?,
+            ))
+        } else {
+            None
+        };
+        let biases = if config.attention_bias {
+            let mut bias = |name: &str| -> Result<Tensor> {
+                read(&format!("blk.{layer}.{name}.bias"))?.dequantize(device)
+            };
+            Some([bias("attn_q")?, bias("attn_k")?, bias("attn_v")?])
+        } else {
+            None
+        };
         let mut matrix = |name: &str| -> Result<Linear> {
             let tensor = read(&format!("blk.{layer}.{name}.weight"))?;
             match plans.get(&tensor.dtype()) {
@@ -238,13 +274,22 @@ fn weights_in_chosen_forms(
                 None => bail!("llama: no weight plan for {:?}", tensor.dtype()),
             }
         };
+        let (mut q_proj, mut k_proj, mut v_proj) =
+            (matrix("attn_q")?, matrix("attn_k")?, matrix("attn_v")?);
+        if let Some([q, k, v]) = biases {
+            (q_proj, k_proj, v_proj) = (
+                q_proj.with_bias(q),
+                k_proj.with_bias(k),
+                v_proj.with_bias(v),
+            );
+        }
         layers.push(Layer::Separate(Box::new(DecoderLayer {
             input_norm,
             attention: SelfAttention {
-                qk_norms: None,
-                q_proj: matrix("attn_q")?,
-                k_proj: matrix("attn_k")?,
-                v_proj: matrix("attn_v")?,
+                qk_norms,
+                q_proj,
+                k_proj,
+                v_proj,
                 o_proj: matrix("attn_output")?,
                 q_heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,

@@ -1,4 +1,4 @@
-//! Tiny random Qwen2 and Qwen3 models: their HF config.json, and HF-named weights from one
+//! Tiny random Mistral, Qwen2 and Qwen3 models: their HF config.json, and HF-named weights from one
 //! generator, for the family tests (HF directories and GGUF files alike).
 
 use std::collections::HashMap;
@@ -33,6 +33,15 @@ pub const QWEN3_JSON: &str = r#"{
   "eos_token_id": 2
 }"#;
 
+pub const MISTRAL_JSON: &str = r#"{
+  "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+  "hidden_size": 128, "intermediate_size": 352, "vocab_size": 300,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 1024, "sliding_window": null, "tie_word_embeddings": false,
+  "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu", "bos_token_id": 1,
+  "eos_token_id": 2
+}"#;
+
 /// What sets a family's tiny model apart.
 #[derive(Clone, Copy)]
 pub struct Family {
@@ -41,6 +50,13 @@ pub struct Family {
     pub qk_norm: bool,
     pub tied: bool,
 }
+
+pub const MISTRAL: Family = Family {
+    head_dim: HIDDEN / HEADS,
+    qkv_bias: false,
+    qk_norm: false,
+    tied: false,
+};
 
 pub const QWEN2: Family = Family {
     head_dim: HIDDEN / HEADS,

@@ -66,7 +66,7 @@ pub(crate) fn gguf_architecture(content: &gguf_file::Content) -> Result<&str> {
 }
 
 /// The `model_type`s of an HF config.json this decoder runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -116,6 +116,7 @@ struct HfConfig {
     mlp_bias: bool,
     model_type: Option<String>,
     use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
 }
 
 /// `generation_config.json` often lists more end-of-turn tokens than `config.json`.
@@ -132,6 +133,7 @@ impl LlamaConfig {
         let model_type = hf.model_type.as_deref().unwrap_or("llama");
         let (attention_bias, qk_norm) = match model_type {
             "llama" => (hf.attention_bias, false),
+            "mistral" => (false, false),
             // Qwen2 always has q/k/v biases; its config does not say so.
             "qwen2" => (true, false),
             "qwen3" => (hf.attention_bias, true),
@@ -143,10 +145,15 @@ impl LlamaConfig {
         if hf.mlp_bias {
             bail!("config.json: mlp_bias is not supported (MLP projections without biases only)")
         }
-        if hf.use_sliding_window == Some(true) {
+        let mistral_window = match (model_type, hf.sliding_window) {
+            ("mistral", Some(w)) => w < hf.max_position_embeddings,
+            _ => false,
+        };
+        if hf.use_sliding_window == Some(true) || mistral_window {
             bail!(
-                "config.json: use_sliding_window is not supported yet (full attention on every \
-                 layer only)"
+                "config.json: sliding-window attention (use_sliding_window, or a Mistral \
+                 sliding_window below the context length) is not supported yet; full attention \
+                 only (Mistral from v0.2 on)"
             )
         }
         let rope_scaling = match hf.rope_scaling {

@@ -1,6 +1,6 @@
 //! The families beside Llama through our decoder against candle-transformers' own models on the
-//! same random weights, on the CPU, in f32: Mistral (full attention), Qwen2 (q/k/v biases, tied
-//! embeddings) and Qwen3
+//! same random weights, on the CPU, in f32: Mistral (full attention), Phi-3 (q/k/v and gate/up
+//! stored joined), Qwen2 (q/k/v biases, tied embeddings) and Qwen3
 //! (per-head q/k norms, a head dim that is not hidden / heads). The logits of a prompt and of 32
 //! decode steps (fed random tokens) agree to 1e-4 of their scale, and so do the greedy choices.
 //! Then the configs the decoder refuses.
@@ -11,9 +11,10 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions};
-use candle_transformers::models::{mistral, qwen2, qwen3};
+use candle_transformers::models::{mistral, phi3, qwen2, qwen3};
 use common::tiny_families::{
-    weights, Family, MISTRAL, MISTRAL_JSON, QWEN2, QWEN2_JSON, QWEN3, QWEN3_JSON, VOCAB,
+    weights, Family, MISTRAL, MISTRAL_JSON, PHI3, PHI3_JSON, QWEN2, QWEN2_JSON, QWEN3, QWEN3_JSON,
+    VOCAB,
 };
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -84,6 +85,17 @@ fn mistral_matches_candle_transformers() -> Result<()> {
 }
 
 #[test]
+fn phi3_matches_candle_transformers() -> Result<()> {
+    let config: phi3::Config = serde_json::from_str(PHI3_JSON)?;
+    let vb = VarBuilder::from_tensors(weights(PHI3)?, DType::F32, &Device::Cpu);
+    let mut model = phi3::Model::new(&config, vb)?;
+    let step: Step = Box::new(move |tokens, offset| {
+        Ok(model.forward(&input(tokens)?, offset)?.flatten_all()?)
+    });
+    check("phi3", PHI3_JSON, PHI3, step)
+}
+
+#[test]
 fn qwen2_matches_candle_transformers() -> Result<()> {
     let config: qwen2::Config = serde_json::from_str(QWEN2_JSON)?;
     let vb = VarBuilder::from_tensors(weights(QWEN2)?, DType::F32, &Device::Cpu);
@@ -111,7 +123,7 @@ fn unsupported_configs_are_refused_with_the_supported_ones_named() {
     let err = LlamaConfig::from_hf_json(&other).unwrap_err();
     assert!(
         err.to_string()
-            .contains("supported: llama, mistral, qwen2, qwen3"),
+            .contains("supported: llama, mistral, phi3, qwen2, qwen3"),
         "{err}"
     );
     let windowed = MISTRAL_JSON.replace("\"sliding_window\": null", "\"sliding_window\": 512");

@@ -350,13 +350,37 @@ impl Llama {
                 let vb = vb.pp(format!("model.layers.{i}"));
                 let attn = vb.pp("self_attn");
                 let mlp = vb.pp("mlp");
+                // Phi-3 stores q/k/v as one matrix and gate/up as another: split them.
+                let (q, k, v) = if attn.contains_tensor("qkv_proj.weight") {
+                    let qkv = matrix(&attn.pp("qkv_proj"), q_size + 2 * kv_size, c.hidden_size)?;
+                    (
+                        qkv.narrow(0, 0, q_size)?,
+                        qkv.narrow(0, q_size, kv_size)?,
+                        qkv.narrow(0, q_size + kv_size, kv_size)?,
+                    )
+                } else {
+                    (
+                        matrix(&attn.pp("q_proj"), q_size, c.hidden_size)?,
+                        matrix(&attn.pp("k_proj"), kv_size, c.hidden_size)?,
+                        matrix(&attn.pp("v_proj"), kv_size, c.hidden_size)?,
+                    )
+                };
+                let (gate, up) = if mlp.contains_tensor("gate_up_proj.weight") {
+                    let gate_up = matrix(&mlp.pp("gate_up_proj"), 2 * ffn, c.hidden_size)?;
+                    (gate_up.narrow(0, 0, ffn)?, gate_up.narrow(0, ffn, ffn)?)
+                } else {
+                    (
+                        matrix(&mlp.pp("gate_proj"), ffn, c.hidden_size)?,
+                        matrix(&mlp.pp("up_proj"), ffn, c.hidden_size)?,
+                    )
+                };
                 let t = LayerTensors {
-                    q: matrix(&attn.pp("q_proj"), q_size, c.hidden_size)?,
-                    k: matrix(&attn.pp("k_proj"), kv_size, c.hidden_size)?,
-                    v: matrix(&attn.pp("v_proj"), kv_size, c.hidden_size)?,
+                    q,
+                    k,
+                    v,
                     o: matrix(&attn.pp("o_proj"), c.hidden_size, q_size)?,
-                    gate: matrix(&mlp.pp("gate_proj"), ffn, c.hidden_size)?,
-                    up: matrix(&mlp.pp("up_proj"), ffn, c.hidden_size)?,
+                    gate,
+                    up,
                     down: matrix(&mlp.pp("down_proj"), c.hidden_size, ffn)?,
                     input_norm: norm_weight(vb.pp("input_layernorm"))?,
                     post_attention_norm: norm_weight(vb.pp("post_attention_layernorm"))?,

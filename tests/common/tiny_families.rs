@@ -1,4 +1,4 @@
-//! Tiny random Mistral, Qwen2 and Qwen3 models: their HF config.json, and HF-named weights from one
+//! Tiny random Mistral, Phi-3, Qwen2 and Qwen3 models: their HF config.json, and HF-named weights from one
 //! generator, for the family tests (HF directories and GGUF files alike).
 
 use std::collections::HashMap;
@@ -42,6 +42,16 @@ pub const MISTRAL_JSON: &str = r#"{
   "eos_token_id": 2
 }"#;
 
+pub const PHI3_JSON: &str = r#"{
+  "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+  "hidden_size": 128, "intermediate_size": 352, "vocab_size": 300,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 1024, "original_max_position_embeddings": 1024,
+  "sliding_window": 1023, "rope_scaling": null, "tie_word_embeddings": false,
+  "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu", "bos_token_id": 1,
+  "eos_token_id": 2
+}"#;
+
 /// What sets a family's tiny model apart.
 #[derive(Clone, Copy)]
 pub struct Family {
@@ -49,6 +59,8 @@ pub struct Family {
     pub qkv_bias: bool,
     pub qk_norm: bool,
     pub tied: bool,
+    /// q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj` (Phi-3).
+    pub joined_weights: bool,
 }
 
 pub const MISTRAL: Family = Family {
@@ -56,6 +68,15 @@ pub const MISTRAL: Family = Family {
     qkv_bias: false,
     qk_norm: false,
     tied: false,
+    joined_weights: false,
+};
+
+pub const PHI3: Family = Family {
+    head_dim: HIDDEN / HEADS,
+    qkv_bias: false,
+    qk_norm: false,
+    tied: false,
+    joined_weights: true,
 };
 
 pub const QWEN2: Family = Family {
@@ -63,6 +84,7 @@ pub const QWEN2: Family = Family {
     qkv_bias: true,
     qk_norm: false,
     tied: true,
+    joined_weights: false,
 };
 
 pub const QWEN3: Family = Family {
@@ -70,6 +92,7 @@ pub const QWEN3: Family = Family {
     qkv_bias: false,
     qk_norm: true,
     tied: false,
+    joined_weights: false,
 };
 
 fn random(rng: &mut StdRng, shape: &[usize], std: f32) -> Result<Tensor> {
@@ -110,6 +133,24 @@ pub fn weights(family: Family) -> Result<HashMap<String, Tensor>> {
             ("mlp.down_proj.weight", vec![HIDDEN, FFN], 0.05),
         ] {
             w.insert(format!("{p}.{name}"), random(&mut rng, &shape, std)?);
+        }
+        if family.joined_weights {
+            let take = |w: &mut HashMap<String, Tensor>, name: &str| {
+                w.remove(&format!("{p}.{name}.weight"))
+                    .expect("generated above")
+            };
+            let (q, k, v) = (
+                take(&mut w, "self_attn.q_proj"),
+                take(&mut w, "self_attn.k_proj"),
+                take(&mut w, "self_attn.v_proj"),
+            );
+            let qkv = Tensor::cat(&[q, k, v], 0)?;
+            w.insert(format!("{p}.self_attn.qkv_proj.weight"), qkv);
+            let (gate, up) = (take(&mut w, "mlp.gate_proj"), take(&mut w, "mlp.up_proj"));
+            w.insert(
+                format!("{p}.mlp.gate_up_proj.weight"),
+                Tensor::cat(&[gate, up], 0)?,
+            );
         }
         if family.qkv_bias {
             for (name, size) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {

@@ -66,7 +66,7 @@ pub(crate) fn gguf_architecture(content: &gguf_file::Content) -> Result<&str> {
 }
 
 /// The `model_type`s of an HF config.json this decoder runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 5] = ["llama", "mistral", "phi3", "qwen2", "qwen3"];
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -117,6 +117,7 @@ struct HfConfig {
     model_type: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<usize>,
+    partial_rotary_factor: Option<f64>,
 }
 
 /// `generation_config.json` often lists more end-of-turn tokens than `config.json`.
@@ -134,6 +135,8 @@ impl LlamaConfig {
         let (attention_bias, qk_norm) = match model_type {
             "llama" => (hf.attention_bias, false),
             "mistral" => (false, false),
+            // Phi-3's sliding_window is not applied, as in candle-transformers' Phi-3.
+            "phi3" => (false, false),
             // Qwen2 always has q/k/v biases; its config does not say so.
             "qwen2" => (true, false),
             "qwen3" => (hf.attention_bias, true),
@@ -142,6 +145,11 @@ impl LlamaConfig {
                 SUPPORTED_MODEL_TYPES.join(", ")
             ),
         };
+        if hf.partial_rotary_factor.is_some_and(|f| f != 1.0) {
+            bail!(
+                "config.json: partial_rotary_factor is not supported (RoPE over whole heads only)"
+            )
+        }
         if hf.mlp_bias {
             bail!("config.json: mlp_bias is not supported (MLP projections without biases only)")
         }

@@ -15,6 +15,7 @@ mod hf;
 mod joined;
 mod rope;
 
+use std::cell::RefCell;
 use std::path::Path;
 
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
@@ -110,12 +111,17 @@ impl Rows {
     }
 }
 
-/// Where a pass's keys and values go in the caches: after the lengths the host counts, or at
-/// lengths held in device memory (a step that a CUDA graph can replay).
+/// The LSE `(1, h_q, t)` of each layer's split-KV attention, in layer order.
+type LseRecord = RefCell<Vec<Tensor>>;
+
+/// Where a pass's keys and values go in the caches: after the lengths the host counts (with the
+/// attention's LSE recorded, or not), or at lengths held in device memory (a step that a CUDA
+/// graph can replay).
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 enum Positions<'a> {
     Host(Rows),
+    Recorded(&'a LseRecord),
     Device(&'a DeviceLengths),
 }
 
@@ -123,7 +129,7 @@ impl Positions<'_> {
     fn rows(self) -> Rows {
         match self {
             Positions::Host(rows) => rows,
-            Positions::Device(_) => Rows::BySize,
+            Positions::Recorded(_) | Positions::Device(_) => Rows::BySize,
         }
     }
 
@@ -137,6 +143,11 @@ impl Positions<'_> {
         match self {
             Positions::Host(Rows::BySize) => attention.forward(q, k, v, cache),
             Positions::Host(Rows::AsDecode) => attention.forward_as_steps(q, k, v, cache),
+            Positions::Recorded(record) => {
+                let (out, lse) = attention.forward_with_lse(q, k, v, cache)?;
+                record.borrow_mut().extend(lse);
+                Ok(out)
+            }
             Positions::Device(lengths) => attention.forward_at(q, k, v, cache, lengths),
         }
     }
@@ -272,6 +283,9 @@ pub struct Llama {
     fused_decode: bool,
     /// Capture one-token CUDA steps as graphs (see [`Llama::set_cuda_graph`]).
     cuda_graph: bool,
+    /// Whether passes record their attention LSE (see [`Llama::set_record_lse`]).
+    record_lse: bool,
+    recorded_lse: Vec<Tensor>,
     /// The inputs of one-token CUDA steps and their graph, from the first such step on.
     #[cfg(feature = "cuda")]
     device_steps: Option<DeviceSteps>,
@@ -499,6 +513,8 @@ impl Llama {
             weight_choices: Vec::new(),
             fused_decode: true,
             cuda_graph: false,
+            record_lse: false,
+            recorded_lse: Vec::new(),
             #[cfg(feature = "cuda")]
             device_steps: None,
         })
@@ -554,7 +570,13 @@ impl Llama {
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let x = self.weights.embed_tokens.forward(&input)?;
         let angles = self.rope.angles(&[self.cache_len()], t)?;
-        self.layers(x, &angles, Positions::Host(rows))
+        if !(self.record_lse && rows == Rows::BySize) {
+            return self.layers(x, &angles, Positions::Host(rows));
+        }
+        let record = LseRecord::default();
+        let x = self.layers(x, &angles, Positions::Recorded(&record))?;
+        self.recorded_lse.extend(record.into_inner());
+        Ok(x)
     }
 
     /// Whether one-token steps run fed from device memory: on CUDA, with the split-KV backend
@@ -562,6 +584,7 @@ impl Llama {
     #[cfg(feature = "cuda")]
     fn takes_device_steps(&self) -> bool {
         self.device.is_cuda()
+            && !self.record_lse
             && self.attention.backend == AttentionBackend::SplitKv
             && crate::SUPPORTED_HEAD_DIMS.contains(&self.config.head_dim)
     }
@@ -660,20 +683,14 @@ impl Llama {
                 Layer::Separate(layer) => {
                     layer.forward(&x, angles, &self.attention, cache, positions)?
                 }
-                Layer::Joined(layer) => {
-                    let lengths = match positions {
-                        Positions::Device(lengths) => Some(lengths),
-                        Positions::Host(_) => None,
-                    };
-                    layer.forward(
-                        &x,
-                        angles,
-                        &self.attention,
-                        cache,
-                        self.fused_decode,
-                        lengths,
-                    )?
-                }
+                Layer::Joined(layer) => layer.forward(
+                    &x,
+                    angles,
+                    &self.attention,
+                    cache,
+                    self.fused_decode,
+                    positions,
+                )?,
             };
         }
         Ok(x)
@@ -738,6 +755,20 @@ impl Llama {
         }
         self.cuda_graph = on;
         Ok(())
+    }
+
+    /// Records the natural-log LSE of every layer's split-KV attention in the passes of
+    /// [`Llama::forward`] that run it (decode steps; off by default), for debugging:
+    /// [`Llama::take_recorded_lse`] hands them over. Recording steps run fed from the host,
+    /// uncaptured; their logits are those of plain steps on the CPU.
+    pub fn set_record_lse(&mut self, on: bool) {
+        self.record_lse = on;
+    }
+
+    /// The LSEs recorded since the last call (see [`Llama::set_record_lse`]): per step, one f32
+    /// `(1, q_heads, 1)` tensor per layer, in layer order.
+    pub fn take_recorded_lse(&mut self) -> Vec<Tensor> {
+        std::mem::take(&mut self.recorded_lse)
     }
 
     /// Whether one-token CUDA steps are captured as graphs (see [`Llama::set_cuda_graph`]).

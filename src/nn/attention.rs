@@ -101,6 +101,30 @@ impl CachedAttention {
         self.forward_inner(q, k, v, cache, true)
     }
 
+    /// Like [`CachedAttention::forward`], also returning the natural-log LSE `(b, h_q, t)` of the
+    /// split-KV op where it ran (decode steps and verification passes over uniform caches; see
+    /// [`crate::SplitKvAttention::forward_with_lse`]), `None` on the other paths (prompts, the
+    /// naive backend, ragged batches). The output is the one `forward` gives.
+    pub fn forward_with_lse(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
+        if !(cache.is_uniform() && self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t))
+        {
+            return Ok((self.forward(q, k, v, cache)?, None));
+        }
+        let scales = KvScales::of(cache);
+        let (k_all, v_all) = cache.append(k, v)?;
+        let (out, lse) =
+            self.op(scales)
+                .forward_with_lse(&op_query(q, k_all.dtype())?, &k_all, &v_all)?;
+        Ok((out.to_dtype(q.dtype())?, Some(lse)))
+    }
+
     /// Like [`CachedAttention::forward`] for a step whose positions live in device memory (see
     /// [`KvCache::append_at`]): `lengths.before` holds the cache's lengths, where the new keys
     /// and values go, and `lengths.after` those lengths plus t, which the op masks each sequence

@@ -6,7 +6,8 @@
 use candle_core::{Result, Tensor};
 
 use super::rope::RopeAngles;
-use crate::nn::attention::{CachedAttention, DeviceLengths};
+use super::Positions;
+use crate::nn::attention::CachedAttention;
 use crate::nn::cache::KvCache;
 use crate::nn::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 
@@ -80,8 +81,8 @@ impl JoinedLayer {
     }
 
     /// `x (b, t, hidden)` → `(b, t, hidden)`, residual adds included. `fused` false runs every
-    /// projection through candle's ops (for A/B runs); prompts take that path anyway. With
-    /// `lengths`, the keys and values go where they say (see [`CachedAttention::forward_at`]).
+    /// projection through candle's ops (for A/B runs); prompts take that path anyway. The keys
+    /// and values go where `positions` says.
     pub fn forward(
         &self,
         x: &Tensor,
@@ -89,7 +90,7 @@ impl JoinedLayer {
         attention: &CachedAttention,
         cache: &mut KvCache,
         fused: bool,
-        lengths: Option<&DeviceLengths>,
+        positions: Positions,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (q_size, kv_size) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
@@ -121,11 +122,9 @@ impl JoinedLayer {
             self.kv_heads,
             self.head_dim,
         ))?;
-        let y = match lengths {
-            Some(lengths) => attention.forward_at(&q, &k, &v, cache, lengths)?,
-            None => attention.forward(&q, &k, &v, cache)?,
-        }
-        .reshape((b, t, q_size))?;
+        let y = positions
+            .attend(attention, (&q, &k, &v), cache)?
+            .reshape((b, t, q_size))?;
         let x = project(
             fused,
             &y,

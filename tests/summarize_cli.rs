@@ -345,3 +345,28 @@ fn a_corrupted_default_model_is_removed_and_refused() {
     assert!(!model.exists(), "the corrupted model was left in the cache");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--model-id` fetches through the Hugging Face hub client; where the hub cannot be reached (here
+/// an endpoint that refuses connections) the run fails with one line that says so.
+#[test]
+fn an_unreachable_hub_is_one_clear_line() {
+    let dir = scratch_dir("hub");
+    let document = dir.join("doc.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let output = Command::new(binary())
+        .args([document.to_str().unwrap(), "--device", "cpu"])
+        .args(["--model-id", "Qwen/Qwen2.5-0.5B-Instruct", "--quiet"])
+        .env("HF_HOME", dir.join("hf"))
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .output()
+        .expect("the summarize binary starts");
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "stderr was {stderr:?}");
+    assert_eq!(stderr.lines().count(), 1, "stderr was {stderr:?}");
+    assert!(stderr.contains("Hugging Face hub"), "{stderr}");
+    assert!(stderr.contains("no network access"), "{stderr}");
+    // --revision and --gguf-file belong to --model-id.
+    let output = summarize(&[document.to_str().unwrap(), "--revision", "main"]);
+    assert_eq!(output.status.code(), Some(2));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

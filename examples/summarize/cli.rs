@@ -20,8 +20,21 @@ pub struct Args {
 
     /// A GGUF file, or a Hugging Face model directory (config.json, tokenizer.json,
     /// *.safetensors). Default: SmolLM2-135M-Instruct, fetched into the cache on first use.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "model_id")]
     pub model: Option<PathBuf>,
+
+    /// A model on the Hugging Face hub, e.g. `Qwen/Qwen2.5-0.5B-Instruct`: fetched into the hub's
+    /// cache (`$HF_HOME`), an HF directory unless --gguf-file names one GGUF file of the repo.
+    #[arg(long, value_name = "REPO")]
+    pub model_id: Option<String>,
+
+    /// The branch, tag or commit of --model-id (default: its main branch).
+    #[arg(long, requires = "model_id")]
+    pub revision: Option<String>,
+
+    /// A GGUF file of --model-id to fetch and run, instead of its HF directory.
+    #[arg(long, value_name = "FILE", requires = "model_id")]
+    pub gguf_file: Option<String>,
 
     /// Where to run the model. Default: cuda when built with the `cuda` feature and a GPU is
     /// present, otherwise cpu.

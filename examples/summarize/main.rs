@@ -12,6 +12,7 @@ mod cli;
 mod default_model;
 mod document;
 mod generation;
+mod hub;
 #[path = "../common/kv_dtype.rs"]
 mod kv_dtype;
 mod map_reduce;
@@ -64,10 +65,16 @@ fn run(args: &Args) -> Result<()> {
     // The document is checked first: a typo in its name should not wait for a model download.
     let document = document::read_document(&args.file)?;
     let device = select_device(args.device)?;
-    let model_path = match &args.model {
-        Some(path) if !path.exists() => bad_input!("model not found: {}", path.display()),
-        Some(path) => path.clone(),
-        None => default_model::default_model_path(args.quiet)?,
+    let model_path = match (&args.model, &args.model_id) {
+        (Some(path), _) if !path.exists() => bad_input!("model not found: {}", path.display()),
+        (Some(path), _) => path.clone(),
+        (None, Some(id)) => hub::fetch(
+            id,
+            args.revision.as_deref(),
+            args.gguf_file.as_deref(),
+            args.quiet,
+        )?,
+        (None, None) => default_model::default_model_path(args.quiet)?,
     };
 
     let mut progress = Progress::new(args.quiet);

@@ -1,14 +1,12 @@
 //! New K/V rows written into a cache at positions held in device memory, K and V in one launch
 //! (see `kernels/cache_write.cuh`): what a decode step captured in a CUDA graph appends with.
 
-use candle_core::cuda::WrapErr;
 use candle_core::{bail, DType, Device, Result, Tensor};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::kernels::{CacheWriteParams, KernelForm};
-use super::launch::tensor_ptr;
+use super::launch::{launch_grid_stride, tensor_ptr};
 
 /// A 4-D tensor's strides in elements, checked to have a contiguous last dim.
 fn strides(name: &str, t: &Tensor) -> Result<[i64; 3]> {
@@ -118,19 +116,7 @@ pub(crate) fn write_rows(
         v_scale,
     };
     let elements = 2 * b * t * h * d;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            elements.div_ceil(spec.threads as usize).clamp(1, 4096) as u32,
-            1,
-            1,
-        ),
-        block_dim: (spec.threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(&func);
-    builder.arg(&params);
     // SAFETY: the kernel takes one `CacheWriteParams`; it reads the rows within their checked
     // shapes and strides, `batch` starts, and writes cache positions below the capacity only.
-    unsafe { builder.launch(cfg) }.map(|_| ()).w()
+    unsafe { launch_grid_stride(dev, &func, spec.threads, elements, 4096, &params) }
 }

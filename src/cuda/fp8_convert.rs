@@ -2,14 +2,14 @@
 //! strided views of one shape of up to four dims.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::cuda::CudaDType;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, WithDType};
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use float8::F8E4M3;
 use half::{bf16, f16};
 
 use super::kernels::{Fp8ConvertParams, KernelForm};
-use super::launch::device_ptr;
+use super::launch::{device_ptr, launch_grid_stride};
 
 /// A view as the kernel reads or writes it: up to four dims, padded at the front.
 struct View {
@@ -156,19 +156,7 @@ fn run<D: WithDType + CudaDType + DeviceRepr>(
         dst_stride3: d[3] as i64,
         scale,
     };
-    // Enough CTAs to fill the GPU a few times over; each thread strides on from there.
-    let ctas = count.div_ceil(spec.threads as usize).clamp(1, 8192) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (ctas, 1, 1),
-        block_dim: (spec.threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // A plain launch: the kernel reads its input at once, so it must not overlap the kernel that
-    // wrote it.
-    let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(&func);
-    builder.arg(&params);
     // SAFETY: the kernel takes one `Fp8ConvertParams` and reads and writes the `count` elements
     // of the two views, whose layouts the caller's storages hold.
-    unsafe { builder.launch(cfg) }.map(|_| ()).w()
+    unsafe { launch_grid_stride(dev, &func, spec.threads, count, 8192, &params) }
 }

@@ -39,6 +39,38 @@ pub(crate) fn tensor_ptr<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<O
     )))
 }
 
+/// Launches `func`, a grid-stride kernel of `threads` threads per CTA taking one parameter block,
+/// over `elements` elements: enough CTAs to fill the GPU a few times over (at most `max_ctas`),
+/// each thread striding on from there. A plain launch: such kernels read their input at once,
+/// so they must not overlap the kernel that wrote it.
+///
+/// # Safety
+/// `params` must be the block `func` takes, and every address in it valid for the elements the
+/// kernel reads and writes.
+pub(crate) unsafe fn launch_grid_stride<P: DeviceRepr>(
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    threads: u32,
+    elements: usize,
+    max_ctas: usize,
+    params: &P,
+) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (
+            elements.div_ceil(threads as usize).clamp(1, max_ctas) as u32,
+            1,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(func);
+    builder.arg(params);
+    // SAFETY: the caller's contract.
+    unsafe { builder.launch(cfg) }.map(|_| ()).w()
+}
+
 /// How many CTAs of one kernel the GPU holds at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Residency {

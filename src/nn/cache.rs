@@ -207,18 +207,24 @@ impl KvCache {
             self.k_form.write(&self.k, at, k_new)?;
             self.v_form.write(&self.v, at, v_new)?;
         } else {
-            for (seq, &at) in self.seq_lens.iter().enumerate() {
-                // Narrowing the batch dim of contiguous storage keeps it contiguous, so the
-                // write goes straight into this sequence's rows.
-                let rows = |x: &Tensor| x.narrow(0, seq, 1);
-                self.k_form
-                    .write(&self.k.narrow(0, seq, 1)?, at, &rows(k_new)?)?;
-                self.v_form
-                    .write(&self.v.narrow(0, seq, 1)?, at, &rows(v_new)?)?;
-            }
+            self.write_each_sequence(k_new, v_new)?;
         }
         self.seq_lens.iter_mut().for_each(|len| *len += t);
         self.views()
+    }
+
+    /// Writes each sequence's new rows after its own last position, one sequence at a time.
+    fn write_each_sequence(&self, k_new: &Tensor, v_new: &Tensor) -> Result<()> {
+        for (seq, &at) in self.seq_lens.iter().enumerate() {
+            // Narrowing the batch dim of contiguous storage keeps it contiguous, so the write
+            // goes straight into this sequence's rows.
+            let rows = |x: &Tensor| x.narrow(0, seq, 1);
+            self.k_form
+                .write(&self.k.narrow(0, seq, 1)?, at, &rows(k_new)?)?;
+            self.v_form
+                .write(&self.v.narrow(0, seq, 1)?, at, &rows(v_new)?)?;
+        }
+        Ok(())
     }
 
     /// Appends `t` new positions to sequence `seq` only; `k_new` and `v_new` are
@@ -319,14 +325,7 @@ impl KvCache {
                 self.seq_lens
             )
         }
-        for (seq, &at) in self.seq_lens.iter().enumerate() {
-            let rows = |x: &Tensor| x.narrow(0, seq, 1);
-            self.k_form
-                .write(&self.k.narrow(0, seq, 1)?, at, &rows(k_new)?)?;
-            self.v_form
-                .write(&self.v.narrow(0, seq, 1)?, at, &rows(v_new)?)?;
-        }
-        Ok(())
+        self.write_each_sequence(k_new, v_new)
     }
 
     /// The ids of the K and V storage: a cache that grew, or another cache, has others.

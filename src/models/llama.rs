@@ -1,5 +1,6 @@
 //! Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE with Llama 3 scaling) decoding through
-//! the split-KV op.
+//! the split-KV op, and the families of the same shape: Mistral (full attention), Phi-3 (joined
+//! q/k/v and gate/up weights, split at load), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms).
 //!
 //! Each layer applies RoPE as its own op, then hands q, k and v to [`CachedAttention`]: the
 //! prompt runs a blocked causal attention, each generated token runs the split-KV op over a

@@ -1,5 +1,6 @@
-//! Prefill and decode throughput of a GGUF or HF Llama, ours (split-KV and naive attention) and
-//! optionally candle-transformers' `quantized_llama`, in one run.
+//! Prefill and decode throughput of a GGUF or HF model of any family the decoder loads (Llama,
+//! Mistral, Phi-3, Qwen2, Qwen3), ours (split-KV and naive attention) and optionally
+//! candle-transformers' `quantized_llama` (llama GGUFs), in one run.
 //!
 //! For each context C: prefill a C-token prompt (timed), then 4 warm-up and `--steps` timed
 //! decode steps. Prints one JSON line per (backend, context).

@@ -153,18 +153,6 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
         "--top-p",
     );
     assert_rejected(&[document, "--top-k", "40"], "give a --temperature above 0");
-    assert_rejected(
-        &[
-            document,
-            "--temperature",
-            "0.7",
-            "--top-p",
-            "0.9",
-            "--speculate",
-            "3",
-        ],
-        "do not work with --speculate",
-    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

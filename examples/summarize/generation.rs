@@ -225,15 +225,20 @@ impl<'m> Generator<'m> {
             seed,
             repeat_penalty,
             repeat_last_n,
+            top_k,
+            top_p,
             speculate,
-            ..
         } = self.settings;
         // Plain decoding ends once the sequence fills the context.
         let limit = max_new_tokens.min(self.model.context_length() - prompt.len());
-        let sampling = if temperature > 0.0 {
-            Sampling::Temperature(temperature)
-        } else {
-            Sampling::Greedy
+        let sampling = match (top_k, top_p) {
+            _ if temperature <= 0.0 => Sampling::Greedy,
+            (None, None) => Sampling::Temperature(temperature),
+            _ => Sampling::Truncated {
+                temperature,
+                top_k,
+                top_p,
+            },
         };
         // A stream of its own: the first token's sampler already draws from `seed`.
         let verify_seed = seed ^ 0x9e37_79b9_7f4a_7c15;

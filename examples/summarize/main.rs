@@ -173,9 +173,6 @@ fn check_options(args: &Args) -> Result<()> {
     if truncated && args.temperature == 0.0 {
         bad_input!("--top-k and --top-p choose among sampled tokens; give a --temperature above 0");
     }
-    if truncated && args.speculate > 0 {
-        bad_input!("--top-k and --top-p do not work with --speculate yet; use one or the other");
-    }
     // A verification pass holds the last token and the drafts.
     let most_drafts = candle_splitkv::MAX_QUERY_TOKENS - 1;
     if args.speculate > most_drafts {

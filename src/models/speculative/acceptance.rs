@@ -17,6 +17,89 @@ pub enum Sampling {
     Greedy,
     /// Softmax of the logits divided by the temperature (> 0).
     Temperature(f64),
+    /// [`Sampling::Temperature`] restricted to the `top_k` most likely tokens, then to the most
+    /// likely ones whose probabilities add up to `top_p` (either may be absent), renormalized.
+    Truncated {
+        temperature: f64,
+        top_k: Option<usize>,
+        top_p: Option<f64>,
+    },
+}
+
+impl Sampling {
+    /// The distribution tokens are drawn from after `logits`; `None` for greedy decoding.
+    pub fn distribution(self, logits: &[f32]) -> Result<Option<Vec<f64>>> {
+        match self {
+            Sampling::Greedy => Ok(None),
+            Sampling::Temperature(t) => probabilities(logits, t).map(Some),
+            Sampling::Truncated {
+                temperature,
+                top_k,
+                top_p,
+            } => {
+                let p = probabilities(logits, temperature)?;
+                truncated(p, top_k, top_p).map(Some)
+            }
+        }
+    }
+
+    /// Checks the temperature, `top_k ≥ 1` and `top_p` in (0, 1].
+    pub fn check(self) -> Result<()> {
+        let (temperature, top_k, top_p) = match self {
+            Sampling::Greedy => return Ok(()),
+            Sampling::Temperature(t) => (t, None, None),
+            Sampling::Truncated {
+                temperature,
+                top_k,
+                top_p,
+            } => (temperature, top_k, top_p),
+        };
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            bail!("speculative decoding: the temperature must be positive, got {temperature}")
+        }
+        if top_k == Some(0) {
+            bail!("speculative decoding: top_k must be at least 1")
+        }
+        if let Some(p) = top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                bail!("speculative decoding: top_p must be in (0, 1], got {p}")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `p` kept on its `top_k` most likely tokens, then on the most likely ones whose probabilities
+/// add up to `top_p` of what is left (at least one), renormalized.
+fn truncated(mut p: Vec<f64>, top_k: Option<usize>, top_p: Option<f64>) -> Result<Vec<f64>> {
+    Sampling::Truncated {
+        temperature: 1.0,
+        top_k,
+        top_p,
+    }
+    .check()?;
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let mut keep = top_k.unwrap_or(p.len()).min(p.len());
+    if let Some(top_p) = top_p {
+        let total: f64 = order[..keep].iter().map(|&i| p[i]).sum();
+        let mut sum = 0.0;
+        let mut within = 0;
+        for &i in &order[..keep] {
+            within += 1;
+            sum += p[i];
+            if sum >= top_p * total {
+                break;
+            }
+        }
+        keep = within.max(1);
+    }
+    for &i in &order[keep..] {
+        p[i] = 0.0;
+    }
+    let total: f64 = p.iter().sum();
+    p.iter_mut().for_each(|x| *x /= total);
+    Ok(p)
 }
 
 /// The target's choice after one verification pass: how many drafts it keeps, and the token it
@@ -106,24 +189,25 @@ pub fn verify(
     if let Some(&bad) = drafts.iter().find(|&&d| d as usize >= vocab) {
         bail!("speculative decoding: drafted token {bad} is outside the vocabulary ({vocab})")
     }
-    let temperature = match sampling {
-        Sampling::Greedy => {
-            let mut accepted = 0;
-            for (i, &d) in drafts.iter().enumerate() {
-                if argmax(&target[i]) != d {
-                    break;
-                }
-                accepted += 1;
-            }
-            return Ok(Verdict {
-                accepted,
-                next: argmax(&target[accepted]),
-            });
+    if sampling == Sampling::Greedy {
+        let accepted = drafts
+            .iter()
+            .enumerate()
+            .take_while(|&(i, &d)| argmax(&target[i]) == d)
+            .count();
+        return Ok(Verdict {
+            accepted,
+            next: argmax(&target[accepted]),
+        });
+    }
+    let distribution = |logits: &[f32]| -> Result<Vec<f64>> {
+        match sampling.distribution(logits)? {
+            Some(p) => Ok(p),
+            None => bail!("speculative decoding: greedy sampling has no distribution"),
         }
-        Sampling::Temperature(t) => t,
     };
     for (i, &d) in drafts.iter().enumerate() {
-        let p = probabilities(&target[i], temperature)?;
+        let p = distribution(&target[i])?;
         let q_d = draft_probs.map_or(1.0, |q| q[i][d as usize]);
         let keep = if q_d > 0.0 {
             (p[d as usize] / q_d).min(1.0)
@@ -149,7 +233,7 @@ pub fn verify(
         };
         return Ok(Verdict { accepted: i, next });
     }
-    let p = probabilities(&target[drafts.len()], temperature)?;
+    let p = distribution(&target[drafts.len()])?;
     Ok(Verdict {
         accepted: drafts.len(),
         next: draw_from(&p, rng)?,
@@ -247,6 +331,44 @@ mod tests {
                 assert!((f - want).abs() < 0.006, "drafter {q:?}: {freq:?} vs {p:?}");
             }
         }
+        Ok(())
+    }
+
+    /// Top-k then top-p keeps the most likely tokens, renormalized, and speculative sampling
+    /// under it emits tokens distributed as that truncated distribution.
+    #[test]
+    fn truncated_sampling_keeps_the_truncated_distribution() -> Result<()> {
+        let logits = [1.0, 0.2, -0.5, 2.0, 0.9];
+        let sampling = Sampling::Truncated {
+            temperature: 0.7,
+            top_k: Some(4),
+            top_p: Some(0.8),
+        };
+        let want = sampling.distribution(&logits)?.expect("a distribution");
+        // Token 2 is past the top 4, and the top-p cut drops at least the least likely kept one.
+        assert_eq!(want[2], 0.0);
+        assert!((want.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        assert!(want.iter().filter(|&&p| p > 0.0).count() < 4);
+        let mut rng = StdRng::seed_from_u64(11);
+        let target = vec![logits.to_vec(), logits.to_vec()];
+        let n = 40_000;
+        let mut counts = [0usize; 5];
+        for _ in 0..n {
+            // A deterministic draft of token 0, which the truncated distribution may reject.
+            let v = verify(&[0], None, &target, sampling, &mut rng)?;
+            let first = if v.accepted == 1 { 0 } else { v.next };
+            counts[first as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip(&want) {
+            let got = *c as f64 / n as f64;
+            assert!((got - p).abs() < 0.01, "frequency {got} against {p}");
+        }
+        let bad = Sampling::Truncated {
+            temperature: 0.7,
+            top_k: Some(0),
+            top_p: None,
+        };
+        assert!(bad.check().is_err());
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 use candle_core::{bail, Result};
 use rand::{rngs::StdRng, SeedableRng};
 
-use super::acceptance::{argmax, probabilities, Sampling};
+use super::acceptance::{argmax, Sampling};
 use super::{Draft, Drafter};
 use crate::models::llama::Llama;
 
@@ -62,10 +62,9 @@ impl Drafter for DraftModel {
         let mut probs = Vec::new();
         for i in 0..n {
             let row = logits.to_vec1::<f32>()?;
-            let token = match self.sampling {
-                Sampling::Greedy => argmax(&row),
-                Sampling::Temperature(t) => {
-                    let p = probabilities(&row, t)?;
+            let token = match self.sampling.distribution(&row)? {
+                None => argmax(&row),
+                Some(p) => {
                     let token = super::acceptance::draw_from(&p, &mut self.rng)?;
                     probs.push(p);
                     token
@@ -77,7 +76,7 @@ impl Drafter for DraftModel {
                 self.cached.push(token);
             }
         }
-        if matches!(self.sampling, Sampling::Temperature(_)) {
+        if self.sampling != Sampling::Greedy {
             draft.probs = Some(probs);
         }
         Ok(draft)

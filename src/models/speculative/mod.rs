@@ -246,11 +246,6 @@ impl<D: Drafter> SpeculativeDecoder<D> {
     }
 
     fn check_sampling(&self) -> Result<()> {
-        if let Sampling::Temperature(t) = self.sampling {
-            if !(t > 0.0 && t.is_finite()) {
-                bail!("speculative decoding: the temperature must be positive, got {t}")
-            }
-        }
-        Ok(())
+        self.sampling.check()
     }
 }

@@ -45,6 +45,15 @@ fn default_model() -> Option<PathBuf> {
     path
 }
 
+/// The chat prompt's token ids.
+fn prompt_ids(tokenizer: &tokenizers::Tokenizer) -> Result<Vec<u32>> {
+    Ok(tokenizer
+        .encode(PROMPT, false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec())
+}
+
 fn argmax(logits: &Tensor) -> Result<u32> {
     Ok(logits.flatten_all()?.argmax(0)?.to_scalar::<u32>()?)
 }
@@ -120,12 +129,7 @@ fn greedy_tokens_match_stock_quantized_llama() -> Result<()> {
     for choice in loaded.model.weight_choices() {
         eprintln!("{choice}");
     }
-    let prompt = loaded
-        .tokenizer
-        .encode(PROMPT, false)
-        .map_err(anyhow::Error::msg)?
-        .get_ids()
-        .to_vec();
+    let prompt = prompt_ids(&loaded.tokenizer)?;
     // The chat markers must be single special tokens, or the prompt is not what the model expects.
     assert_eq!(
         prompt[0], 1,
@@ -188,12 +192,7 @@ fn fp8_and_bf16_caches_greedy_tokens() -> Result<()> {
             WeightFormPolicy::Fixed(WeightForm::Q8_0),
             Some(dtype),
         )?;
-        let prompt = loaded
-            .tokenizer
-            .encode(PROMPT, false)
-            .map_err(anyhow::Error::msg)?
-            .get_ids()
-            .to_vec();
+        let prompt = prompt_ids(&loaded.tokenizer)?;
         let mut model = loaded.model;
         assert_eq!(model.cache_dtype(), dtype);
         let (tokens, first) = our_greedy(&mut model, &prompt)?;
@@ -227,12 +226,7 @@ fn gpu_dense_bf16_greedy_tokens_match_stock() -> Result<()> {
         return Ok(());
     };
     let loaded = Llama::load_with(&path, &gpu, LoadOptions::default())?;
-    let prompt = loaded
-        .tokenizer
-        .encode(PROMPT, false)
-        .map_err(anyhow::Error::msg)?
-        .get_ids()
-        .to_vec();
+    let prompt = prompt_ids(&loaded.tokenizer)?;
     let mut model = loaded.model;
     assert_eq!(model.dtype(), DType::BF16);
     assert!(model.has_fused_decode());

@@ -4,18 +4,13 @@
 //!
 //! `cargo test` builds the examples next to the test binaries, in `<target>/<profile>/examples/`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test knows its own path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("the test binary lives in <target>/<profile>/deps");
-    profile_dir
-        .join("examples")
-        .join(format!("lse_heatmap{}", std::env::consts::EXE_SUFFIX))
+    common::example_binary("lse_heatmap")
 }
 
 fn default_model() -> Option<PathBuf> {

@@ -3,6 +3,8 @@
 //!
 //! `cargo test` builds the examples next to the test binaries, in `<target>/<profile>/examples/`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -20,21 +22,7 @@ visitor numbers have fallen for five years in a row. Staff from that branch will
 main building, and no jobs will be lost.";
 
 fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test knows its own path");
-    // <target>/<profile>/deps/summarize_cli-<hash> -> <target>/<profile>/examples/summarize
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("the test binary lives in <target>/<profile>/deps");
-    let binary = profile_dir
-        .join("examples")
-        .join(format!("summarize{}", std::env::consts::EXE_SUFFIX));
-    assert!(
-        binary.is_file(),
-        "{} is missing; `cargo test` builds it (examples are built with the tests)",
-        binary.display()
-    );
-    binary
+    common::example_binary("summarize")
 }
 
 fn sample_document() -> PathBuf {

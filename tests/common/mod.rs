@@ -4,6 +4,26 @@
 pub mod tiny_families;
 pub mod tiny_llama;
 
+/// The path of example `name`'s binary: `cargo test` builds the examples next to the test
+/// binaries, in `<target>/<profile>/examples/`.
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its own path");
+    // <target>/<profile>/deps/<test>-<hash> -> <target>/<profile>/examples/<name>
+    let profile_dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("the test binary lives in <target>/<profile>/deps");
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        binary.is_file(),
+        "{} is missing; `cargo test` builds it (examples are built with the tests)",
+        binary.display()
+    );
+    binary
+}
+
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::SplitKvAttention;
 use rayon::prelude::*;

@@ -35,6 +35,9 @@ struct DecodeParams {
     int out_heads;          // h_q: the caller's query heads per token
     int chunk_align;        // with seqlens: each sequence cuts its own length into num_splits
                             // chunks of a multiple of this (chunk_size is then unused)
+    // Read by the windowed forms only:
+    int window_left;        // a query sees at most this many positions before its own; -1: all
+    float softcap_log2;     // soft cap c·log2(e) of the base-2 scores (c·tanh(s/c)); 0: none
 };
 
 // The positions [start, end) that split `split` of a sequence of `len` cached positions streams.
@@ -128,6 +131,18 @@ __device__ __forceinline__ long long output_row(int row, int tokens, int heads) 
 // are ever masked.
 __device__ __forceinline__ int visible_end(int len, int token, int tokens) {
     return len - (tokens - 1 - token);
+}
+
+// Query token `token` sees positions from this one on: all of them, or with a sliding window the
+// last window_left + 1 up to its own.
+__device__ __forceinline__ int visible_begin(const DecodeParams& p, int len, int token) {
+    return p.window_left < 0 ? 0 : max(0, visible_end(len, token, p.query_tokens) - 1 - p.window_left);
+}
+
+// A base-2 score soft-capped as c·tanh(s/c) in natural units (the cap is c·log2(e)); a masked
+// score (-inf) stays masked.
+__device__ __forceinline__ float soft_capped(const DecodeParams& p, float score) {
+    return score == -INFINITY ? score : p.softcap_log2 * tanhf(score / p.softcap_log2);
 }
 
 // Both partial kernels run four independently streaming warps per CTA.

@@ -35,7 +35,9 @@ template <typename T, int D, int GMAX> struct Tiling {
     static constexpr int kTotalSmem = kSmemBytes + (kQInRegisters ? 0 : GMAX * D * (int)sizeof(float));
 };
 
-template <typename T, int D, int GMAX>
+// WINDOWED: the form that applies a sliding window (p.window_left) and soft-capping
+// (p.softcap_log2); a form of its own, so that the others' code is not touched by either.
+template <typename T, int D, int GMAX, bool WINDOWED>
 __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     using Cfg = Tiling<T, D, GMAX>;
     constexpr int CHUNKS = Cfg::kChunks;
@@ -63,11 +65,15 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const SplitRange range = split_range(p, split, len);
-    const int start = range.start, end = range.end;
+    // Positions before the first query token's window are never streamed.
+    const int start = WINDOWED ? max(range.start, visible_begin(p, len, 0)) : range.start;
+    const int end = range.end;
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
-    // Below shared_end every query row sees every position; past it, row g sees up to row_end[g].
+    // In [shared_begin, shared_end) every query row sees every position; elsewhere row g sees
+    // [row_begin[g], row_end[g]). Without a window both begins are 0.
     const int shared_end = min(end, visible_end(len, 0, p.query_tokens));
-    int row_end[GMAX];
+    const int shared_begin = WINDOWED ? visible_begin(p, len, p.query_tokens - 1) : 0;
+    int row_begin[GMAX], row_end[GMAX];
 
     // Queries, pre-scaled so that scores come out in base 2.
     float q_reg[Cfg::kQInRegisters ? GMAX : 1][8];
@@ -86,6 +92,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     for (int g = 0; g < GMAX; ++g) {
         const QueryRow r = query(g);
         row_end[g] = r.head < 0 ? end : min(end, visible_end(len, r.token, p.query_tokens));
+        row_begin[g] = WINDOWED && r.head >= 0 ? visible_begin(p, len, r.token) : 0;
     }
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
@@ -186,10 +193,19 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 #pragma unroll
                 for (int g = 0; g < GMAX; ++g)
                     score[g][step] += __shfl_xor_sync(0xffffffffu, score[g][step], o);
-            const bool shared = first + row < shared_end;
+            const int pos = first + row;
+            const bool shared = pos < shared_end && (!WINDOWED || pos >= shared_begin);
 #pragma unroll
-            for (int g = 0; g < GMAX; ++g)
-                score[g][step] = shared || first + row < row_end[g] ? score[g][step] : -INFINITY;
+            for (int g = 0; g < GMAX; ++g) {
+                const bool seen = pos < row_end[g] && (!WINDOWED || pos >= row_begin[g]);
+                score[g][step] = shared || seen ? score[g][step] : -INFINITY;
+            }
+            if constexpr (WINDOWED) {
+                if (p.softcap_log2 > 0.f) {
+#pragma unroll
+                    for (int g = 0; g < GMAX; ++g) score[g][step] = soft_capped(p, score[g][step]);
+                }
+            }
         }
 
         // Online softmax: one max per head over the warp tile, shared by all lanes.

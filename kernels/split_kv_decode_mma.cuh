@@ -195,7 +195,7 @@ struct MmaItem {
 };
 
 // Item `index` counts splits fastest, then kv heads, then batches, like the one-item grid.
-template <typename KV, int ROWS, bool PERSISTENT>
+template <typename KV, int ROWS, bool PERSISTENT, bool WINDOWED>
 __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, int warp) {
     MmaItem it;
     if constexpr (PERSISTENT) {
@@ -211,7 +211,8 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[it.b]);
     const SplitRange range = split_range(p, it.split, len);
-    it.start = range.start;
+    // Positions before the first query token's window are never streamed.
+    it.start = WINDOWED ? max(range.start, visible_begin(p, len, 0)) : range.start;
     it.end = range.end;
     it.len = len;
     it.shared_end = min(it.end, visible_end(len, 0, p.query_tokens));
@@ -236,9 +237,11 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
 // LOCKSTEP (one item per CTA only, sm_90): the blocks of query heads that read one K/V head (wide
 // groups) run as a cluster along y, and its CTAs hold each other within `p.lockstep_tiles`
 // tiles, so that the first to stream a tile leaves it in L2 for the others.
+// WINDOWED: a sliding window (p.window_left) and soft-capping (p.softcap_log2), a form of its own
+// so that the others' code is not touched by either.
 // KV: the K/V storage type, T or fp8 (e4m3).
 template <typename T, typename KV, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE,
-          bool LOCKSTEP>
+          bool LOCKSTEP, bool WINDOWED>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
@@ -345,9 +348,10 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     };
 
     // Q as A fragments, one set per k-step; rows past the group, and padding heads, are zero.
-    // row_end: where the positions that rows quad_row and quad_row + 8 see end in the item.
+    // row_end: where the positions that rows quad_row and quad_row + 8 see end in the item;
+    // row_begin (windowed form): where they begin.
     uint32_t q_frag[KSTEPS][4];
-    int row_end[2];
+    int row_end[2], row_begin[2] = {0, 0};
     auto load_q = [&](const MmaItem& it) {
         const T* q = static_cast<const T*>(p.q) + it.b * p.q_batch_stride;
         auto head_row = [&](int head, int& end) -> const T* {
@@ -359,6 +363,16 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             end = min(it.end, visible_end(it.len, r.token, p.query_tokens));
             return q + r.token * p.q_seq_stride + (long long)r.head * p.q_head_stride;
         };
+        if constexpr (WINDOWED) {
+            auto head_begin = [&](int head) {
+                const int real = head < group
+                    ? real_row(it.kv_head * group + head, p.padded_group, p.real_group)
+                    : -1;
+                return real < 0 ? 0 : visible_begin(p, it.len, query_row(real, p.query_tokens).token);
+            };
+            row_begin[0] = head_begin(quad_row);
+            row_begin[1] = kUpper ? head_begin(quad_row + 8) : 0;
+        }
         const T* lo = head_row(quad_row, row_end[0]);
         const T* hi = nullptr;
         row_end[1] = it.end;
@@ -384,7 +398,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // loop consumes them, STAGES - 1 tiles ahead, skipping items where the warp has none.
     int load_index = first_item, load_n = 0, issued = 0;
     MmaItem load_item{};
-    if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT>(p, load_index, warp);
+    if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, load_index, warp);
     const MmaItem first = load_item;
     // The first item's query before its K/V: issued behind the ring's copies, these few loads
     // would queue behind them and hold up the first tile's product.
@@ -398,7 +412,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             while (load_index < items && load_n >= load_item.my_tiles) {
                 load_index += item_stride;
                 load_n = 0;
-                if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT>(p, load_index, warp);
+                if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, load_index, warp);
             }
         }
     };
@@ -436,7 +450,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     }
     for (int index = first_item; index < items; index += item_stride) {
         const MmaItem it =
-            index == first_item ? first : mma_item<KV, ROWS, PERSISTENT>(p, index, warp);
+            index == first_item ? first : mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, index, warp);
 
         if (index != first_item) load_q(it);
 
@@ -523,7 +537,9 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
                         for (int j = 0; j < 4; ++j) s[rb][nt][j] += s_odd[rb][nt][j];
             }
 
-            const bool full = first + ROWS <= it.shared_end;
+            bool full = first + ROWS <= it.shared_end;
+            // From here on every query token sees the positions.
+            if constexpr (WINDOWED) full = full && first >= visible_begin(p, it.len, p.query_tokens - 1);
 #pragma unroll
             for (int rb = 0; rb < RB; ++rb)
 #pragma unroll
@@ -531,9 +547,24 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const int row = first + rb * 16 + nt * 8 + quad_col * 2 + (j & 1);
-                        s[rb][nt][j] =
-                            full || row < row_end[j >> 1] ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
+                        if constexpr (WINDOWED) {
+                            const bool seen = row < row_end[j >> 1] && row >= row_begin[j >> 1];
+                            s[rb][nt][j] = full || seen ? s[rb][nt][j] * p.scale_log2 : -INFINITY;
+                        } else {
+                            s[rb][nt][j] = full || row < row_end[j >> 1] ? s[rb][nt][j] * p.scale_log2
+                                                                         : -INFINITY;
+                        }
                     }
+            if constexpr (WINDOWED) {
+                if (p.softcap_log2 > 0.f) {
+#pragma unroll
+                    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+                        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) s[rb][nt][j] = soft_capped(p, s[rb][nt][j]);
+                }
+            }
 
             // base: the max the weights are taken against; 0 while a query row has seen nothing
             // (with several query tokens a tile can be masked whole for the earlier ones).

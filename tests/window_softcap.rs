@@ -1,7 +1,8 @@
-//! The op's sliding window and logit soft-capping against the f64 reference on the CPU: one and
-//! several query tokens, f32 and bf16, forced split counts, varlen with lengths inside and outside
-//! the window, with the output filled with NaN first. Then the errors for a window of 0 and a cap
-//! ≤ 0, and on CUDA, whose kernels do not implement them yet, the error that says so.
+//! The op's sliding window and logit soft-capping against the f64 reference, on the CPU and, where
+//! one exists, on a CUDA device (both kernel families, and fp8 K/V): one and several query tokens,
+//! every dtype, forced split counts, varlen with lengths inside and outside the window, wide
+//! groups and grids of many waves, with the output and split scratch filled with NaN first. Then
+//! the errors for a window of 0 and a cap ≤ 0.
 
 mod common;
 
@@ -82,19 +83,69 @@ fn window_and_softcap_match_the_reference_on_the_cpu() -> Result<()> {
     )
 }
 
-/// Not implemented in the CUDA kernels yet: a clear error, not a wrong result.
 #[test]
-fn gpu_window_and_softcap_are_refused() -> Result<()> {
+fn gpu_window_and_softcap_match_the_reference() -> Result<()> {
     let Some(gpu) = gpu() else { return Ok(()) };
-    let q = random((1, 1, 4, 64), DType::BF16, &gpu)?;
-    let k = random((1, 10, 2, 64), DType::BF16, &gpu)?;
-    let op = SplitKvAttention::new(0.125);
-    for op in [
-        op.clone().with_window_left(Some(4)),
-        op.with_softcap(Some(50.0)),
+    check_device(
+        &gpu,
+        &[DType::F32, DType::F16, DType::BF16],
+        &[CudaKernel::TensorCore, CudaKernel::CudaCore],
+    )
+}
+
+/// Shapes the planner runs differently: wide groups (blocks of query heads per kv head), grids
+/// of more work items than the GPU holds (the windowed form has no persistent twin), and fp8 K/V
+/// with scales, whose reference is taken on the dequantized values.
+#[test]
+fn gpu_window_and_softcap_wide_groups_many_items_and_fp8() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    // (b, t, h_q, h_kv, d, L, window, softcap)
+    for (b, t, h_q, h_kv, d, l, window, softcap) in [
+        (1, 1, 64, 2, 128, 5000, Some(2048), Some(30.0)),
+        (2, 4, 48, 1, 64, 900, Some(300), None),
+        (16, 1, 32, 8, 128, 6000, Some(4096), Some(50.0)),
+        (3, 2, 16, 8, 256, 2500, Some(1000), Some(50.0)),
     ] {
-        let err = op.forward(&q, &k, &k).unwrap_err();
-        assert!(err.to_string().contains("CPU only for now"), "{err}");
+        let dtype = DType::BF16;
+        let q = random((b, t, h_q, d), dtype, &gpu)?;
+        // On the host: candle's CUDA backend has no casts to fp8.
+        let k = random((b, l, h_kv, d), DType::F32, &Device::Cpu)?;
+        let v = random((b, l, h_kv, d), DType::F32, &Device::Cpu)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let what =
+            format!("{b}×{t} {h_q}/{h_kv} d={d} L={l} window={window:?} softcap={softcap:?}");
+        let (k16, v16) = (
+            k.to_dtype(dtype)?.to_device(&gpu)?,
+            v.to_dtype(dtype)?.to_device(&gpu)?,
+        );
+        let want = reference_masked(&q, &k16, &v16, scale, None, window, softcap)?;
+        for splits in [None, Some(3)] {
+            let op = poisoned(scale)
+                .with_window_left(window)
+                .with_softcap(softcap)
+                .with_num_splits(splits);
+            let out = op.forward(&q, &k16, &v16)?;
+            assert_close(
+                &format!("bf16 {what} splits={splits:?}"),
+                &out,
+                &want.out,
+                dtype,
+            )?;
+        }
+        // fp8: K and V stored divided by scales that map ±4 to ±448.
+        let (k_scale, v_scale) = (4.0 / 448.0, 4.0 / 448.0);
+        let k8 = (k / f64::from(k_scale))?.to_dtype(DType::F8E4M3)?;
+        let v8 = (v / f64::from(v_scale))?.to_dtype(DType::F8E4M3)?;
+        let k_real = (k8.to_dtype(DType::F32)? * f64::from(k_scale))?;
+        let v_real = (v8.to_dtype(DType::F32)? * f64::from(v_scale))?;
+        let want = reference_masked(&q, &k_real, &v_real, scale, None, window, softcap)?;
+        let op = poisoned(scale)
+            .with_window_left(window)
+            .with_softcap(softcap)
+            .with_kv_scales(k_scale, v_scale);
+        let (out, lse) = op.forward_with_lse(&q, &k8.to_device(&gpu)?, &v8.to_device(&gpu)?)?;
+        assert_close(&format!("fp8 {what}"), &out, &want.out, dtype)?;
+        assert_lse_close(&format!("fp8 {what}"), &lse, &want.lse, dtype)?;
     }
     Ok(())
 }

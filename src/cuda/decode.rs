@@ -37,12 +37,6 @@ pub(crate) fn forward(
     k: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Option<Tensor>)> {
-    if call.window_left.is_some() || call.softcap.is_some() {
-        bail!(
-            "split-kv attention: a sliding window and soft-capping run on the CPU only for now; \
-             the CUDA kernels do not implement them yet"
-        )
-    }
     match (q.0.dtype(), k.0.dtype()) {
         (DType::F16, DType::F16) => launch::<f16, f16>(call, q, k, v),
         (DType::BF16, DType::BF16) => launch::<bf16, bf16>(call, q, k, v),
@@ -203,6 +197,10 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         query_tokens: call.dims.q_len as i32,
         out_heads: call.dims.q_heads as i32,
         chunk_align: CHUNK_ALIGN as i32,
+        window_left: call
+            .window_left
+            .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
+        softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

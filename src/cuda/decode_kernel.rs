@@ -41,9 +41,10 @@ impl DecodeKernel {
         // Tensor-core CTAs each stream enough bytes to keep an SM's share of HBM busy: one per
         // SM measured faster than filling every resident slot, whose extra splits only add
         // per-split fixed cost.
-        let parallel_slots = match spec.form {
-            KernelForm::CudaCore => residency.total(),
-            _ => residency.sms,
+        let parallel_slots = if spec.form.on_cuda_cores() {
+            residency.total()
+        } else {
+            residency.sms
         };
         Ok(Self {
             spec,
@@ -54,7 +55,7 @@ impl DecodeKernel {
     }
 
     pub fn is_tensor_core(&self) -> bool {
-        self.spec.form != KernelForm::CudaCore
+        !self.spec.form.on_cuda_cores()
     }
 
     pub fn is_persistent(&self) -> bool {

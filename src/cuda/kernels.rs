@@ -55,6 +55,21 @@ impl KernelForm {
             .any(|k| k.form == self && k.dtype == dtype && k.kv_dtype == kv_dtype)
     }
 
+    /// The partial-pass form on CUDA cores, with or without a window.
+    pub fn on_cuda_cores(self) -> bool {
+        matches!(self, KernelForm::CudaCore | KernelForm::CudaCoreWindowed)
+    }
+
+    /// The form of the same family that applies a sliding window and soft-capping, for the two
+    /// families the planner starts from; `None` for the others.
+    pub fn windowed(self) -> Option<KernelForm> {
+        match self {
+            KernelForm::CudaCore => Some(KernelForm::CudaCoreWindowed),
+            KernelForm::TensorCore => Some(KernelForm::TensorCoreWindowed),
+            _ => None,
+        }
+    }
+
     /// The widest group bound compiled for this form.
     pub fn max_group(self) -> usize {
         KERNELS

@@ -77,7 +77,10 @@ pub(crate) fn prepare(
     blocks: &QueryBlocks,
 ) -> Result<(DecodeKernel, SplitPlan)> {
     let dims = &blocks.dims;
-    let family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
+    let mut family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
+    if call.window_left.is_some() || call.softcap.is_some() {
+        family = family.windowed().unwrap_or(family);
+    }
     let kernel = DecodeKernel::load(dev, family, dtype, kv_dtype, dims)?;
     let fill = fills_every_slot(&kernel, blocks);
     let slots = if fill {
@@ -93,8 +96,8 @@ pub(crate) fn prepare(
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
     // of persistent CTAs walks them instead, where the device has the shared memory for the
-    // persistent form's separate merge area.
-    if kernel.is_tensor_core() && items > kernel.resident {
+    // persistent form's separate merge area (the windowed form has none: its items run in waves).
+    if kernel.spec.form == KernelForm::TensorCore && items > kernel.resident {
         if let Some(spec) = kernel.spec.sibling(KernelForm::TensorCorePersistent) {
             if spec.smem_bytes <= max_smem_per_cta(dev)? {
                 let persistent = DecodeKernel::load(dev, spec.form, dtype, kv_dtype, dims)?;
@@ -158,10 +161,10 @@ fn cluster_plan(
 }
 
 /// The launch that merges the splits inside the partial pass, clusters of all the splits of one
-/// (batch, kv head), or `None` for another merge. Only for the one-item tensor-core kernels on
-/// sm_90, 2 to [`MAX_CLUSTER`] splits, and where every cluster is resident at once with one CTA
-/// per SM: left to itself the scheduler packs a cluster two CTAs to an SM, and half the SMs then
-/// stream a long context.
+/// (batch, kv head), or `None` for another merge. Only for the one-item tensor-core kernels (with
+/// or without a window) on sm_90, 2 to [`MAX_CLUSTER`] splits, and where every cluster is resident
+/// at once with one CTA per SM: left to itself the scheduler packs a cluster two CTAs to an SM,
+/// and half the SMs then stream a long context.
 fn merge_cluster(
     dev: &CudaDevice,
     kernel: &DecodeKernel,
@@ -169,7 +172,11 @@ fn merge_cluster(
     splits: usize,
     cfg: &LaunchConfig,
 ) -> Result<Option<(ClusterDims, LaunchConfig)>> {
-    if kernel.spec.form != KernelForm::TensorCore || !(2..=MAX_CLUSTER).contains(&splits) {
+    let one_item = matches!(
+        kernel.spec.form,
+        KernelForm::TensorCore | KernelForm::TensorCoreWindowed
+    );
+    if !one_item || !(2..=MAX_CLUSTER).contains(&splits) {
         return Ok(None);
     }
     let Some(smem) = one_cta_per_sm_smem(dev)? else {

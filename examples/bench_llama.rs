@@ -141,6 +141,8 @@ fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> Ll
         tie_word_embeddings: false,
         attention_bias: false,
         qk_norm: false,
+        sliding_window: None,
+        gemma2: None,
         bos_token_id: None,
         eos_token_ids: vec![],
     }

@@ -28,7 +28,7 @@ use crate::nn::cache::{KvCache, KvCacheConfig};
 
 pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
 pub use crate::nn::attention::AttentionBackend;
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{Gemma2Extras, LlamaConfig, RopeScaling, SlidingWindow, WindowedLayers};
 use joined::{JoinedHead, JoinedLayer, LayerTensors};
 pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};
 
@@ -207,11 +207,13 @@ struct Mlp {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// SiLU, or Gemma-2's GELU (tanh approximation).
+    activation: candle_nn::Activation,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor, rows: Rows) -> Result<Tensor> {
-        let gate = candle_nn::ops::silu(&rows.project(&self.gate_proj, x)?)?;
+        let gate = rows.project(&self.gate_proj, x)?.apply(&self.activation)?;
         rows.project(
             &self.down_proj,
             &gate.mul(&rows.project(&self.up_proj, x)?)?,
@@ -219,12 +221,22 @@ impl Mlp {
     }
 }
 
+/// Gemma-2's norms of the attention's and the MLP's outputs, before each joins the residual.
+#[derive(Debug, Clone)]
+struct OutputNorms {
+    attention: RmsNorm,
+    mlp: RmsNorm,
+}
+
 #[derive(Debug, Clone)]
 struct DecoderLayer {
     input_norm: RmsNorm,
     attention: SelfAttention,
+    /// The norm before the MLP (HF's `post_attention_layernorm`, Gemma-2's
+    /// `pre_feedforward_layernorm`).
     post_attention_norm: RmsNorm,
     mlp: Mlp,
+    output_norms: Option<OutputNorms>,
 }
 
 impl DecoderLayer {
@@ -237,13 +249,19 @@ impl DecoderLayer {
         positions: Positions,
     ) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
-        let h = self
+        let mut h = self
             .attention
             .forward(&h, angles, attention, cache, positions)?;
+        if let Some(norms) = &self.output_norms {
+            h = norms.attention.forward(&h)?;
+        }
         let x = (x + h)?;
-        let h = self
+        let mut h = self
             .mlp
             .forward(&self.post_attention_norm.forward(&x)?, positions.rows())?;
+        if let Some(norms) = &self.output_norms {
+            h = norms.mlp.forward(&h)?;
+        }
         x + h
     }
 }
@@ -340,14 +358,21 @@ impl Llama {
         let c = &config;
         // On CUDA, dense 16-bit weights decode through the fused kernels (see `fused_linear`),
         // which take no biases.
-        let join = !c.attention_bias
-            && !c.qk_norm
+        let join = c.joins_for_fused_kernels()
             && options.joined_layers.unwrap_or_else(|| {
                 vb.device().is_cuda() && matches!(dtype, DType::F16 | DType::BF16)
             });
         let eps = c.rms_norm_eps as f32;
         let matrix = |vb: &VarBuilder, out: usize, inp: usize| vb.get((out, inp), "weight");
-        let norm_weight = |vb: VarBuilder| vb.get(c.hidden_size, "weight");
+        let minus_one = c.gemma2.is_some_and(|g| g.norm_weights_minus_one);
+        let norm_weight = |vb: VarBuilder| -> Result<Tensor> {
+            let weight = vb.get(c.hidden_size, "weight")?;
+            if minus_one {
+                weight.affine(1.0, 1.0)
+            } else {
+                Ok(weight)
+            }
+        };
         let norm = |weight: &Tensor| RmsNorm::new(weight.clone(), c.rms_norm_eps);
         let embed = vb.get((c.vocab_size, c.hidden_size), "model.embed_tokens.weight")?;
         let lm_head = if c.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
@@ -398,7 +423,17 @@ impl Llama {
                     up,
                     down: matrix(&mlp.pp("down_proj"), c.hidden_size, ffn)?,
                     input_norm: norm_weight(vb.pp("input_layernorm"))?,
-                    post_attention_norm: norm_weight(vb.pp("post_attention_layernorm"))?,
+                    post_attention_norm: match c.gemma2 {
+                        Some(_) => norm_weight(vb.pp("pre_feedforward_layernorm"))?,
+                        None => norm_weight(vb.pp("post_attention_layernorm"))?,
+                    },
+                };
+                let output_norms = match c.gemma2 {
+                    Some(_) => Some(OutputNorms {
+                        attention: norm(&norm_weight(vb.pp("post_attention_layernorm"))?),
+                        mlp: norm(&norm_weight(vb.pp("post_feedforward_layernorm"))?),
+                    }),
+                    None => None,
                 };
                 if join {
                     return Ok(Layer::Joined(JoinedLayer::new(
@@ -441,7 +476,9 @@ impl Llama {
                         gate_proj: Linear::dense(t.gate),
                         up_proj: Linear::dense(t.up),
                         down_proj: Linear::dense(t.down),
+                        activation: c.mlp_activation(),
                     },
+                    output_norms,
                 })))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -502,9 +539,11 @@ impl Llama {
         let caches = (0..config.num_hidden_layers)
             .map(|_| KvCache::new(&cache_config))
             .collect::<Result<Vec<_>>>()?;
-        let scale = 1.0 / (config.head_dim as f32).sqrt();
+        let softcap = config.gemma2.and_then(|g| g.attn_logit_softcapping);
         Ok(Self {
-            attention: CachedAttention::new(scale).with_backend(options.backend),
+            attention: CachedAttention::new(config.softmax_scale())
+                .with_backend(options.backend)
+                .with_softcap(softcap),
             config,
             weights,
             rope,
@@ -569,7 +608,7 @@ impl Llama {
         self.check_tokens(tokens)?;
         let t = tokens.len();
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
-        let x = self.weights.embed_tokens.forward(&input)?;
+        let x = self.embed(&input)?;
         let angles = self.rope.angles(&[self.cache_len()], t)?;
         if !(self.record_lse && rows == Rows::BySize) {
             return self.layers(x, &angles, Positions::Host(rows));
@@ -640,7 +679,7 @@ impl Llama {
     /// The f32 logits `(vocab,)` of the step whose inputs `inputs` holds.
     #[cfg(feature = "cuda")]
     fn fed_logits(&mut self, inputs: &device_step::StepInputs) -> Result<Tensor> {
-        let x = self.weights.embed_tokens.forward(&inputs.token)?;
+        let x = self.embed(&inputs.token)?;
         let angles = self.rope.angles_at(&inputs.lengths.before)?;
         let x = self.layers(x, &angles, Positions::Device(&inputs.lengths))?;
         self.logits(&x, Rows::BySize)?.flatten_all()
@@ -672,6 +711,18 @@ impl Llama {
         Ok(())
     }
 
+    /// The embeddings of `tokens`, scaled by √hidden_size for Gemma-2 (the scale rounded to the
+    /// model's dtype first, as the reference implementation does).
+    fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        let x = self.weights.embed_tokens.forward(tokens)?;
+        if self.config.gemma2.is_none() {
+            return Ok(x);
+        }
+        let scale = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?
+            .to_dtype(x.dtype())?;
+        x.broadcast_mul(&scale)
+    }
+
     /// Runs every layer over `x`, appending to the caches at `positions`.
     fn layers(
         &mut self,
@@ -679,19 +730,18 @@ impl Llama {
         angles: &RopeAngles,
         positions: Positions,
     ) -> Result<Tensor> {
-        for (layer, cache) in self.weights.layers.iter().zip(self.caches.iter_mut()) {
+        let layers = self.weights.layers.iter().zip(self.caches.iter_mut());
+        for (index, (layer, cache)) in layers.enumerate() {
+            let attention = self
+                .attention
+                .with_window_left(self.config.window_left(index));
             x = match layer {
                 Layer::Separate(layer) => {
-                    layer.forward(&x, angles, &self.attention, cache, positions)?
+                    layer.forward(&x, angles, &attention, cache, positions)?
                 }
-                Layer::Joined(layer) => layer.forward(
-                    &x,
-                    angles,
-                    &self.attention,
-                    cache,
-                    self.fused_decode,
-                    positions,
-                )?,
+                Layer::Joined(layer) => {
+                    layer.forward(&x, angles, &attention, cache, self.fused_decode, positions)?
+                }
             };
         }
         Ok(x)
@@ -703,7 +753,11 @@ impl Llama {
             Head::Separate { norm, lm_head } => rows.project(lm_head, &norm.forward(x)?)?,
             Head::Joined(head) => head.forward(x, self.fused_decode)?,
         };
-        logits.to_dtype(DType::F32)
+        let logits = logits.to_dtype(DType::F32)?;
+        match self.config.gemma2.and_then(|g| g.final_logit_softcapping) {
+            Some(c) => (logits / f64::from(c))?.tanh()? * f64::from(c),
+            None => Ok(logits),
+        }
     }
 
     /// Forgets the cached sequence.

@@ -38,13 +38,20 @@ const DEFAULT_PREFILL_BLOCK: usize = 128;
 /// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
 ///
 /// Token `i` of sequence `s` sits at position `cache.seq_lens()[s] + i` (before the call) and
-/// attends to every cached position up to and including its own.
+/// attends to every cached position up to and including its own, or with a sliding window to
+/// the last `window_left` before it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CachedAttention {
     pub softmax_scale: f32,
     pub backend: AttentionBackend,
     /// Query rows per block of the causal prefill.
     pub prefill_block: usize,
+    /// Sliding window: a token at position p sees positions p − `window_left` ..= p only (see
+    /// [`SplitKvAttention::window_left`]); every path applies it.
+    pub window_left: Option<usize>,
+    /// Scores (after the softmax scale) soft-capped as c·tanh(s/c) before the softmax (see
+    /// [`SplitKvAttention::softcap`]); every path applies it.
+    pub softcap: Option<f32>,
 }
 
 /// Runs [`CachedAttention`] with the default (split-KV) backend.
@@ -64,11 +71,26 @@ impl CachedAttention {
             softmax_scale,
             backend: AttentionBackend::SplitKv,
             prefill_block: DEFAULT_PREFILL_BLOCK,
+            window_left: None,
+            softcap: None,
         }
     }
 
     pub fn with_backend(mut self, backend: AttentionBackend) -> Self {
         self.backend = backend;
+        self
+    }
+
+    /// A sliding window of `window_left` positions before each token's own (see
+    /// [`CachedAttention::window_left`]).
+    pub fn with_window_left(mut self, window_left: Option<usize>) -> Self {
+        self.window_left = window_left;
+        self
+    }
+
+    /// Soft-caps the scores at `softcap` (see [`CachedAttention::softcap`]).
+    pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
+        self.softcap = softcap;
         self
     }
 
@@ -200,6 +222,7 @@ impl CachedAttention {
         if self.prefill_block == 0 {
             bail!("cached attention: prefill_block must be at least 1")
         }
+        crate::op::validate::check_window_and_softcap(self.window_left, self.softcap)?;
         Ok((batch, t, q_heads, head_dim))
     }
 
@@ -300,7 +323,18 @@ impl CachedAttention {
 
     /// The split-KV op over K/V stored with `scales`.
     fn op(&self, scales: KvScales) -> SplitKvAttention {
-        SplitKvAttention::new(self.softmax_scale).with_kv_scales(scales.k, scales.v)
+        SplitKvAttention::new(self.softmax_scale)
+            .with_kv_scales(scales.k, scales.v)
+            .with_window_left(self.window_left)
+            .with_softcap(self.softcap)
+    }
+
+    /// What the prompt paths mask and cap besides causality.
+    fn score_mods(&self) -> ScoreMods {
+        ScoreMods {
+            window_left: self.window_left,
+            softcap: self.softcap,
+        }
     }
 
     fn uses_split_kv(&self, head_dim: usize) -> bool {
@@ -333,11 +367,18 @@ impl CachedAttention {
                 k_all,
                 v_all,
                 past,
-                self.softmax_scale,
-                scales,
+                (self.softmax_scale, scales),
+                self.score_mods(),
                 self.prefill_block,
             ),
-            AttentionBackend::Naive => naive(q, k_all, v_all, past, self.softmax_scale, scales),
+            AttentionBackend::Naive => naive(
+                q,
+                k_all,
+                v_all,
+                past,
+                (self.softmax_scale, scales),
+                self.score_mods(),
+            ),
         }
     }
 }
@@ -350,6 +391,57 @@ pub struct DeviceLengths {
     pub before: Tensor,
     /// Each sequence's length after the step: `before` plus the step's tokens.
     pub after: Tensor,
+}
+
+/// A sliding window and soft-capping, as the prompt paths apply them to their score matrices.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ScoreMods {
+    window_left: Option<usize>,
+    softcap: Option<f32>,
+}
+
+impl ScoreMods {
+    /// The first key position the query at `position` sees.
+    fn first_seen(&self, position: usize) -> usize {
+        self.window_left
+            .map_or(0, |window| position.saturating_sub(window))
+    }
+
+    /// Scores soft-capped as c·tanh(s/c), or as they are.
+    fn cap(&self, scores: Tensor) -> Result<Tensor> {
+        match self.softcap {
+            Some(c) => (scores / f64::from(c))?.tanh()? * f64::from(c),
+            None => Ok(scores),
+        }
+    }
+
+    /// A u8 `(rows, cols)` mask, nonzero where the query at position `first_row + i` does not
+    /// see the key at `first_col + j`: the key comes after it, or before its window. Built on
+    /// the device from one value per row.
+    fn hidden(
+        &self,
+        (first_row, rows): (usize, usize),
+        (first_col, cols): (usize, usize),
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let col = Tensor::arange(first_col as u32, (first_col + cols) as u32, device)?
+            .reshape((1, cols))?;
+        let first_after = Tensor::arange(
+            (first_row + 1) as u32,
+            (first_row + rows + 1) as u32,
+            device,
+        )?
+        .reshape((rows, 1))?;
+        let after = col.broadcast_ge(&first_after)?;
+        if self.window_left.is_none() {
+            return Ok(after);
+        }
+        let first_seen: Vec<u32> = (first_row..first_row + rows)
+            .map(|row| self.first_seen(row) as u32)
+            .collect();
+        let first_seen = Tensor::from_vec(first_seen, (rows, 1), device)?;
+        after.add(&col.broadcast_lt(&first_seen)?)
+    }
 }
 
 /// The per-tensor scales of a cache's stored K/V: real = stored × scale.
@@ -399,7 +491,8 @@ fn scaled(x: Tensor, scale: f32) -> Result<Tensor> {
 }
 
 /// Causal attention in blocks of query rows. Block `[s, s + n)` scores only the keys it can see,
-/// `[0, past + s + n)`, so the masked upper triangle beyond the diagonal block is never computed.
+/// `[0, past + s + n)` (from its first row's window on, with a window), so the masked upper
+/// triangle beyond the diagonal block is never computed.
 /// The query heads of a GQA group are stacked as rows of one matmul against their shared K/V,
 /// so K/V are never repeated per head. Computes in f32.
 ///
@@ -410,8 +503,8 @@ fn blocked_causal(
     k_all: &Tensor,
     v_all: &Tensor,
     past: usize,
-    scale: f32,
-    kv_scales: KvScales,
+    (scale, kv_scales): (f32, KvScales),
+    mods: ScoreMods,
     block: usize,
 ) -> Result<Tensor> {
     let (b, t, q_heads, d) = q.dims4()?;
@@ -432,30 +525,27 @@ fn blocked_causal(
     let mut outs = Vec::with_capacity(t.div_ceil(block));
     for start in (0..t).step_by(block) {
         let n = block.min(t - start);
-        let visible = past + start + n;
+        let first_row = past + start;
+        // Keys before the window of the block's first row are seen by none of its rows.
+        let first_col = mods.first_seen(first_row);
+        let cols = first_row + n - first_col;
         let q_block = q
             .narrow(2, start, n)?
             .reshape((b, kv_heads, n * group, d))?;
-        let k_block = k.narrow(2, 0, visible)?;
-        let v_block = v.narrow(2, 0, visible)?;
-        let scores = q_block
-            .matmul(&k_block.t()?)?
-            .reshape((b, kv_heads, n, group, visible))?;
-        // Row i of the block (position past + start + i) sees columns 0..=past + start + i.
-        let cols = Tensor::arange(0u32, visible as u32, device)?.reshape((1, 1, visible))?;
-        let first_hidden = Tensor::arange(
-            (past + start + 1) as u32,
-            (past + start + n + 1) as u32,
-            device,
-        )?
-        .reshape((n, 1, 1))?;
-        let hidden = cols.broadcast_ge(&first_hidden)?;
+        let k_block = k.narrow(2, first_col, cols)?;
+        let v_block = v.narrow(2, first_col, cols)?;
+        let scores = mods
+            .cap(q_block.matmul(&k_block.t()?)?)?
+            .reshape((b, kv_heads, n, group, cols))?;
+        let hidden = mods
+            .hidden((first_row, n), (first_col, cols), device)?
+            .reshape((n, 1, cols))?;
         let scores = hidden
             .broadcast_as(scores.shape())?
             .where_cond(&neg_inf.broadcast_as(scores.shape())?, &scores)?;
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs
-            .reshape((b, kv_heads, n * group, visible))?
+            .reshape((b, kv_heads, n * group, cols))?
             .matmul(&v_block)?
             .reshape((b, kv_heads, n, group, d))?;
         outs.push(out);
@@ -478,15 +568,15 @@ fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
 }
 
 /// Candle's naive attention: K/V repeated per query head, full `(t, past + t)` scores, causal mask
-/// when `t > 1`, softmax, in f32. The K/V scales fold into the scores and the output, as in
-/// [`blocked_causal`].
+/// when `t > 1` (and the window's, with one), softmax, in f32. The K/V scales fold into the scores
+/// and the output, as in [`blocked_causal`].
 fn naive(
     q: &Tensor,
     k_all: &Tensor,
     v_all: &Tensor,
     past: usize,
-    scale: f32,
-    kv_scales: KvScales,
+    (scale, kv_scales): (f32, KvScales),
+    mods: ScoreMods,
 ) -> Result<Tensor> {
     let (b, t, q_heads, d) = q.dims4()?;
     let out_dtype = q.dtype();
@@ -495,13 +585,10 @@ fn naive(
     let q = q.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?;
     let k = repeat_kv(&stored_f32(&k_all.transpose(1, 2)?)?, group)?;
     let v = repeat_kv(&stored_f32(&v_all.transpose(1, 2)?)?, group)?.contiguous()?;
-    let scores = (q.matmul(&k.t()?)? * (f64::from(scale) * f64::from(kv_scales.k)))?;
-    let scores = if t > 1 {
-        let cols = Tensor::arange(0u32, kv_len as u32, q.device())?.reshape((1, kv_len))?;
-        let first_hidden = Tensor::arange((past + 1) as u32, (past + t + 1) as u32, q.device())?
-            .reshape((t, 1))?;
-        let hidden = cols
-            .broadcast_ge(&first_hidden)?
+    let scores = mods.cap((q.matmul(&k.t()?)? * (f64::from(scale) * f64::from(kv_scales.k)))?)?;
+    let scores = if t > 1 || mods.window_left.is_some() {
+        let hidden = mods
+            .hidden((past, t), (0, kv_len), q.device())?
             .broadcast_as(scores.shape())?;
         let neg_inf = Tensor::new(f32::NEG_INFINITY, q.device())?.broadcast_as(scores.shape())?;
         hidden.where_cond(&neg_inf, &scores)?

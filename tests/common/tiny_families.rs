@@ -1,5 +1,5 @@
-//! Tiny random Mistral, Phi-3, Qwen2 and Qwen3 models: their HF config.json, and HF-named weights from one
-//! generator, for the family tests (HF directories and GGUF files alike).
+//! Tiny random Mistral, Phi-3, Qwen2, Qwen3 and Gemma-2 models: their HF config.json, and HF-named
+//! weights from one generator, for the family tests (HF directories and GGUF files alike).
 
 use std::collections::HashMap;
 
@@ -52,6 +52,17 @@ pub const PHI3_JSON: &str = r#"{
   "eos_token_id": 2
 }"#;
 
+/// Soft caps far below Gemma-2's own (50 and 30), so that the tiny model's scores and logits bend.
+pub const GEMMA2_JSON: &str = r#"{
+  "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+  "hidden_size": 128, "intermediate_size": 352, "vocab_size": 300, "head_dim": 64,
+  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "max_position_embeddings": 1024, "sliding_window": 4096, "query_pre_attn_scalar": 64,
+  "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "attention_bias": false,
+  "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+  "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1
+}"#;
+
 /// What sets a family's tiny model apart.
 #[derive(Clone, Copy)]
 pub struct Family {
@@ -61,6 +72,8 @@ pub struct Family {
     pub tied: bool,
     /// q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj` (Phi-3).
     pub joined_weights: bool,
+    /// Norms before and after attention and the MLP, stored as the scale minus one (Gemma-2).
+    pub gemma2: bool,
 }
 
 pub const MISTRAL: Family = Family {
@@ -69,6 +82,7 @@ pub const MISTRAL: Family = Family {
     qk_norm: false,
     tied: false,
     joined_weights: false,
+    gemma2: false,
 };
 
 pub const PHI3: Family = Family {
@@ -77,6 +91,7 @@ pub const PHI3: Family = Family {
     qk_norm: false,
     tied: false,
     joined_weights: true,
+    gemma2: false,
 };
 
 pub const QWEN2: Family = Family {
@@ -85,6 +100,7 @@ pub const QWEN2: Family = Family {
     qk_norm: false,
     tied: true,
     joined_weights: false,
+    gemma2: false,
 };
 
 pub const QWEN3: Family = Family {
@@ -93,6 +109,16 @@ pub const QWEN3: Family = Family {
     qk_norm: true,
     tied: false,
     joined_weights: false,
+    gemma2: false,
+};
+
+pub const GEMMA2: Family = Family {
+    head_dim: 64,
+    qkv_bias: false,
+    qk_norm: false,
+    tied: true,
+    joined_weights: false,
+    gemma2: true,
 };
 
 fn random(rng: &mut StdRng, shape: &[usize], std: f32) -> Result<Tensor> {
@@ -118,8 +144,10 @@ pub fn weights(family: Family) -> Result<HashMap<String, Tensor>> {
     }
     let d = family.head_dim;
     let (q, kv) = (HEADS * d, KV_HEADS * d);
+    // Gemma-2 stores the scale minus one.
+    let offset = if family.gemma2 { 0.0 } else { 1.0 };
     let norm = |rng: &mut StdRng, size: usize| -> Result<Tensor> {
-        Ok((random(rng, &[size], 0.1)? + 1.0)?)
+        Ok((random(rng, &[size], 0.1)? + offset)?)
     };
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
@@ -165,6 +193,11 @@ pub fn weights(family: Family) -> Result<HashMap<String, Tensor>> {
         }
         for name in ["input_layernorm", "post_attention_layernorm"] {
             w.insert(format!("{p}.{name}.weight"), norm(&mut rng, HIDDEN)?);
+        }
+        if family.gemma2 {
+            for name in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                w.insert(format!("{p}.{name}.weight"), norm(&mut rng, HIDDEN)?);
+            }
         }
     }
     w.insert("model.norm.weight".to_string(), norm(&mut rng, HIDDEN)?);

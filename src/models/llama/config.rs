@@ -21,6 +21,41 @@ pub enum RopeScaling {
     },
 }
 
+/// Which layers attend through a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WindowedLayers {
+    /// Every layer (Mistral v0.1, Phi-3).
+    All,
+    /// Layers 0, 2, 4, …; the others attend to everything (Gemma-2).
+    Even,
+    /// Layers from this index on (Qwen2 and Qwen3 with `use_sliding_window`).
+    From(usize),
+}
+
+/// Sliding-window attention: in the layers it applies to, a token sees the last `size` positions,
+/// its own included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidingWindow {
+    pub size: usize,
+    pub layers: WindowedLayers,
+}
+
+/// What Gemma-2 adds to the Llama layer: norms after attention and after the MLP as well as
+/// before them, a GELU (tanh) MLP, embeddings scaled by √hidden_size, and soft-capped scores and
+/// logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemma2Extras {
+    /// Attention scores (after the softmax scale) become c·tanh(s/c).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Final logits become c·tanh(x/c).
+    pub final_logit_softcapping: Option<f32>,
+    /// Scores are scaled by 1/√query_pre_attn_scalar rather than 1/√head_dim.
+    pub query_pre_attn_scalar: f32,
+    /// The norm weights are stored as the scale minus one (HF checkpoints; GGUF files store the
+    /// scale itself).
+    pub norm_weights_minus_one: bool,
+}
+
 /// The hyper-parameters of a Llama model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -41,12 +76,16 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// Sliding-window attention in some or all layers.
+    pub sliding_window: Option<SlidingWindow>,
+    /// Gemma-2's additions to the layer; `None` for the other families.
+    pub gemma2: Option<Gemma2Extras>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
 }
 
 /// The `general.architecture`s of a GGUF file this decoder runs.
-pub const SUPPORTED_GGUF_ARCHITECTURES: [&str; 3] = ["llama", "qwen2", "qwen3"];
+pub const SUPPORTED_GGUF_ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen3", "phi3", "gemma2"];
 
 /// A GGUF file's `general.architecture`, checked to be one this decoder runs.
 pub(crate) fn gguf_architecture(content: &gguf_file::Content) -> Result<&str> {
@@ -66,7 +105,8 @@ pub(crate) fn gguf_architecture(content: &gguf_file::Content) -> Result<&str> {
 }
 
 /// The `model_type`s of an HF config.json this decoder runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 5] = ["llama", "mistral", "phi3", "qwen2", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 6] =
+    ["llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2"];
 
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -117,7 +157,13 @@ struct HfConfig {
     model_type: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<usize>,
+    max_window_layers: Option<usize>,
     partial_rotary_factor: Option<f64>,
+    hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    attn_logit_softcapping: Option<f32>,
+    final_logit_softcapping: Option<f32>,
+    query_pre_attn_scalar: Option<f32>,
 }
 
 /// `generation_config.json` often lists more end-of-turn tokens than `config.json`.
@@ -133,10 +179,8 @@ impl LlamaConfig {
             .map_err(|e| candle_core::Error::Msg(format!("llama config.json: {e}")))?;
         let model_type = hf.model_type.as_deref().unwrap_or("llama");
         let (attention_bias, qk_norm) = match model_type {
-            "llama" => (hf.attention_bias, false),
-            "mistral" => (false, false),
-            // Phi-3's sliding_window is not applied, as in candle-transformers' Phi-3.
-            "phi3" => (false, false),
+            "llama" | "gemma2" => (hf.attention_bias, false),
+            "mistral" | "phi3" => (false, false),
             // Qwen2 always has q/k/v biases; its config does not say so.
             "qwen2" => (true, false),
             "qwen3" => (hf.attention_bias, true),
@@ -145,6 +189,45 @@ impl LlamaConfig {
                 SUPPORTED_MODEL_TYPES.join(", ")
             ),
         };
+        let head_dim = hf
+            .head_dim
+            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        let activation = hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref());
+        let expected = if model_type == "gemma2" {
+            "gelu_pytorch_tanh"
+        } else {
+            "silu"
+        };
+        if activation.is_some_and(|a| a != expected) {
+            bail!(
+                "config.json: a {model_type} MLP with activation `{}` is not supported; supported: \
+                 {expected}",
+                activation.unwrap_or_default()
+            )
+        }
+        let windowed_layers = match model_type {
+            // Applied as the reference implementations apply them; older Mistrals and Phi-3 use
+            // windows in every layer.
+            "mistral" | "phi3" => Some(WindowedLayers::All),
+            "gemma2" => Some(WindowedLayers::Even),
+            "qwen2" | "qwen3" if hf.use_sliding_window == Some(true) => {
+                Some(WindowedLayers::From(hf.max_window_layers.unwrap_or(0)))
+            }
+            _ => None,
+        };
+        // A window that covers the whole context changes nothing.
+        let sliding_window = match (windowed_layers, hf.sliding_window) {
+            (Some(layers), Some(size)) if size < hf.max_position_embeddings => {
+                Some(SlidingWindow { size, layers })
+            }
+            _ => None,
+        };
+        let gemma2 = (model_type == "gemma2").then(|| Gemma2Extras {
+            attn_logit_softcapping: hf.attn_logit_softcapping,
+            final_logit_softcapping: hf.final_logit_softcapping,
+            query_pre_attn_scalar: hf.query_pre_attn_scalar.unwrap_or(head_dim as f32),
+            norm_weights_minus_one: true,
+        });
         if hf.partial_rotary_factor.is_some_and(|f| f != 1.0) {
             bail!(
                 "config.json: partial_rotary_factor is not supported (RoPE over whole heads only)"
@@ -153,24 +236,10 @@ impl LlamaConfig {
         if hf.mlp_bias {
             bail!("config.json: mlp_bias is not supported (MLP projections without biases only)")
         }
-        let mistral_window = match (model_type, hf.sliding_window) {
-            ("mistral", Some(w)) => w < hf.max_position_embeddings,
-            _ => false,
-        };
-        if hf.use_sliding_window == Some(true) || mistral_window {
-            bail!(
-                "config.json: sliding-window attention (use_sliding_window, or a Mistral \
-                 sliding_window below the context length) is not supported yet; full attention \
-                 only (Mistral from v0.2 on)"
-            )
-        }
         let rope_scaling = match hf.rope_scaling {
             None => None,
             Some(s) => hf_rope_scaling(s)?,
         };
-        let head_dim = hf
-            .head_dim
-            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
         let config = Self {
             hidden_size: hf.hidden_size,
             intermediate_size: hf.intermediate_size,
@@ -183,9 +252,12 @@ impl LlamaConfig {
             rope_theta: hf.rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             max_position_embeddings: hf.max_position_embeddings,
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            // Gemma-2 ties them unless told otherwise.
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(model_type == "gemma2"),
             attention_bias,
             qk_norm,
+            sliding_window,
+            gemma2,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
         };
@@ -250,11 +322,57 @@ impl LlamaConfig {
                  linear (Llama 3 scaling comes as the rope_freqs tensor)"
             ),
         };
+        if let Some(rotary) = md.get(&key("rope.dimension_count")) {
+            if rotary.to_u32()? as usize != head_dim {
+                bail!(
+                    "gguf: {arch}.rope.dimension_count ({}) differs from the head dim ({head_dim}); \
+                     RoPE over whole heads only",
+                    rotary.to_u32()?
+                )
+            }
+        }
+        if content
+            .tensor_infos
+            .contains_key("rope_factors_long.weight")
+        {
+            bail!("gguf: long-context RoPE factors (Phi-3 longrope) are not supported")
+        }
+        let f32_of = |name: &str| md.get(&key(name)).map(|v| v.to_f32()).transpose();
+        let sliding_window = match md.get(&key("attention.sliding_window")) {
+            Some(size) => {
+                let layers = match arch {
+                    "gemma2" => WindowedLayers::Even,
+                    _ => WindowedLayers::All,
+                };
+                Some(SlidingWindow {
+                    size: size.to_u32()? as usize,
+                    layers,
+                })
+            }
+            None => None,
+        };
+        let num_hidden_layers = usize_of("block_count")?;
+        let gemma2 = match arch {
+            "gemma2" => Some(Gemma2Extras {
+                attn_logit_softcapping: f32_of("attn_logit_softcapping")?,
+                final_logit_softcapping: f32_of("final_logit_softcapping")?,
+                // GGUF does not store it. Of the released Gemma-2s only the 27B (46 layers)
+                // scales by something other than the head dim: hidden_size / heads.
+                query_pre_attn_scalar: if num_hidden_layers == 46 {
+                    (hidden_size / num_attention_heads.max(1)) as f32
+                } else {
+                    head_dim as f32
+                },
+                // The converters store the scale itself.
+                norm_weights_minus_one: false,
+            }),
+            _ => None,
+        };
         let config = Self {
             hidden_size,
             intermediate_size: usize_of("feed_forward_length")?,
             vocab_size,
-            num_hidden_layers: usize_of("block_count")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -268,6 +386,8 @@ impl LlamaConfig {
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
             attention_bias: arch == "qwen2",
             qk_norm: arch == "qwen3",
+            sliding_window,
+            gemma2,
             bos_token_id: md
                 .get("tokenizer.ggml.bos_token_id")
                 .map(|v| v.to_u32())
@@ -281,6 +401,40 @@ impl LlamaConfig {
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The sliding window of layer `layer` as the op takes it: how many positions before its own
+    /// a token sees, or `None` for full attention.
+    pub fn window_left(&self, layer: usize) -> Option<usize> {
+        let window = self.sliding_window?;
+        let windowed = match window.layers {
+            WindowedLayers::All => true,
+            WindowedLayers::Even => layer.is_multiple_of(2),
+            WindowedLayers::From(first) => layer >= first,
+        };
+        windowed.then(|| window.size - 1)
+    }
+
+    /// Whether the layers can be joined for the fused decode kernels, which add no biases, norm
+    /// no heads and know only the Llama layer with SwiGLU.
+    pub(crate) fn joins_for_fused_kernels(&self) -> bool {
+        !self.attention_bias && !self.qk_norm && self.gemma2.is_none()
+    }
+
+    /// The MLP's activation: SiLU (SwiGLU), or GELU with the tanh approximation (Gemma-2).
+    pub(crate) fn mlp_activation(&self) -> candle_nn::Activation {
+        match self.gemma2 {
+            Some(_) => candle_nn::Activation::GeluPytorchTanh,
+            None => candle_nn::Activation::Silu,
+        }
+    }
+
+    /// The softmax scale of the attention scores.
+    pub fn softmax_scale(&self) -> f32 {
+        let scalar = self
+            .gemma2
+            .map_or(self.head_dim as f32, |g| g.query_pre_attn_scalar);
+        1.0 / scalar.sqrt()
     }
 
     /// Checks that the sizes fit together.
@@ -307,6 +461,28 @@ impl LlamaConfig {
                 self.num_attention_heads,
                 self.num_key_value_heads
             )
+        }
+        if let Some(window) = &self.sliding_window {
+            if window.size < 2 {
+                bail!(
+                    "llama config: sliding_window ({}) must be at least 2 (a token and the one \
+                     before it)",
+                    window.size
+                )
+            }
+        }
+        if let Some(g) = &self.gemma2 {
+            let scalar_ok = g.query_pre_attn_scalar.is_finite() && g.query_pre_attn_scalar > 0.0;
+            let caps_ok = [g.attn_logit_softcapping, g.final_logit_softcapping]
+                .iter()
+                .flatten()
+                .all(|c| c.is_finite() && *c > 0.0);
+            if !scalar_ok || !caps_ok {
+                bail!(
+                    "llama config: query_pre_attn_scalar and the soft caps must be finite and \
+                     positive, got {g:?}"
+                )
+            }
         }
         if !self.head_dim.is_multiple_of(2) {
             bail!(

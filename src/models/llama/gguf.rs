@@ -1,6 +1,7 @@
 //! Loading a Llama from a GGUF file: hyper-parameters, tokenizer and chat template from the
 //! metadata, weights in the forms chosen by [`crate::models::weight_form`].
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
@@ -8,15 +9,15 @@ use std::path::Path;
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
 use super::config::gguf_architecture;
 use super::joined::{JoinedHead, JoinedLayer, LayerTensors};
 use super::{
-    DecoderLayer, Head, Layer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, RopeLayout,
-    SelfAttention, Weights,
+    DecoderLayer, Head, Layer, Llama, LlamaConfig, LoadOptions, LoadedModel, Mlp, OutputNorms,
+    RopeLayout, SelfAttention, Weights,
 };
 use crate::models::linear::Linear;
 use crate::models::weight_form::{self, WeightChoice, WeightForm, WeightFormPolicy};
@@ -31,6 +32,85 @@ const LAYER_MATRICES: [&str; 7] = [
     "ffn_up",
     "ffn_down",
 ];
+
+/// Phi-3's per-layer matrices: q/k/v joined in `attn_qkv`, gate and up in `ffn_up`.
+const PHI3_LAYER_MATRICES: [&str; 4] = ["attn_qkv", "attn_output", "ffn_up", "ffn_down"];
+
+/// The GGUF names of the layer matrices of architecture `arch`.
+fn stored_layer_matrices(arch: &str) -> &'static [&'static str] {
+    match arch {
+        "phi3" => &PHI3_LAYER_MATRICES,
+        _ => &LAYER_MATRICES,
+    }
+}
+
+/// One layer's matrices as stored, q/k/v and gate/up apart.
+struct LayerMatrices {
+    q: QTensor,
+    k: QTensor,
+    v: QTensor,
+    o: QTensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+}
+
+impl LayerMatrices {
+    /// Reads layer `layer`'s matrices, splitting Phi-3's joined ones by rows.
+    fn read(
+        read: &mut dyn FnMut(&str) -> Result<QTensor>,
+        arch: &str,
+        config: &LlamaConfig,
+        layer: usize,
+    ) -> Result<Self> {
+        let mut at = |name: &str| read(&format!("blk.{layer}.{name}.weight"));
+        if arch != "phi3" {
+            return Ok(Self {
+                q: at("attn_q")?,
+                k: at("attn_k")?,
+                v: at("attn_v")?,
+                o: at("attn_output")?,
+                gate: at("ffn_gate")?,
+                up: at("ffn_up")?,
+                down: at("ffn_down")?,
+            });
+        }
+        let (q_rows, kv_rows, ffn) = (
+            config.num_attention_heads * config.head_dim,
+            config.num_key_value_heads * config.head_dim,
+            config.intermediate_size,
+        );
+        let qkv = at("attn_qkv")?;
+        let gate_up = at("ffn_up")?;
+        Ok(Self {
+            q: row_slice(&qkv, 0, q_rows)?,
+            k: row_slice(&qkv, q_rows, kv_rows)?,
+            v: row_slice(&qkv, q_rows + kv_rows, kv_rows)?,
+            o: at("attn_output")?,
+            gate: row_slice(&gate_up, 0, ffn)?,
+            up: row_slice(&gate_up, ffn, ffn)?,
+            down: at("ffn_down")?,
+        })
+    }
+}
+
+/// Rows `start..start + count` of a quantized matrix. Each row is stored as whole blocks, one row
+/// after another, so the slice is exact in every stored type.
+fn row_slice(t: &QTensor, start: usize, count: usize) -> Result<QTensor> {
+    let (rows, cols) = t.shape().dims2()?;
+    if start + count > rows {
+        bail!(
+            "llama: GGUF matrix of {rows} rows has no rows {start}..{}",
+            start + count
+        )
+    }
+    let dtype = t.dtype();
+    let row_bytes = cols / dtype.block_size() * dtype.type_size();
+    let data = t.data()?;
+    let rows_data = &data[start * row_bytes..(start + count) * row_bytes];
+    let storage = QStorage::from_data(Cow::Borrowed(rows_data), &t.device(), dtype)?;
+    QTensor::new(storage, (count, cols))
+}
 
 /// On CUDA, GGUF models whose layer matrices take at most this many bytes in bf16 run dense in
 /// bf16, through the fused decode kernels: a step of such a model is bound by its launches, not
@@ -63,11 +143,9 @@ fn run_dtype(
                 .filter(|(name, _)| name.starts_with("blk."))
                 .map(|(_, info)| info.shape.elem_count())
                 .sum();
-            // The fused kernels add no biases and norm no heads (Qwen2, Qwen3).
             let dense = options.weight_forms == WeightFormPolicy::Measure
                 && 2 * elements <= CUDA_DENSE_MAX_BYTES
-                && !config.attention_bias
-                && !config.qk_norm;
+                && config.joins_for_fused_kernels();
             Ok(if dense { DType::BF16 } else { DType::F32 })
         }
     }
@@ -92,15 +170,15 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
         .and_then(|v| v.to_string().ok())
         .cloned();
     let dtype = run_dtype(&content, &config, device, &options)?;
-    if dtype != DType::F32 && (config.attention_bias || config.qk_norm) {
+    let arch = gguf_architecture(&content)?;
+    if dtype != DType::F32 && !config.joins_for_fused_kernels() {
         bail!(
-            "llama: {} GGUF models run in f32 (the fused bf16 kernels take no q/k/v biases or \
-             q/k norms), got dtype {dtype:?}",
-            gguf_architecture(&content)?
+            "llama: {arch} GGUF models run in f32 (the fused bf16 kernels take no q/k/v biases, \
+             q/k norms or Gemma-2 layers), got dtype {dtype:?}"
         )
     }
-    // llama GGUFs permute q/k rows for interleaved pairs; qwen2 and qwen3 keep HF's halves.
-    let rope_layout = match gguf_architecture(&content)? {
+    // llama GGUFs permute q/k rows for interleaved pairs; the others keep HF's halves.
+    let rope_layout = match arch {
         "llama" => RopeLayout::Interleaved,
         _ => RopeLayout::Halves,
     };
@@ -148,27 +226,27 @@ fn dense_joined_weights(
     device: &Device,
     dtype: DType,
 ) -> Result<Weights> {
-    let mut dense =
-        |name: &str| -> Result<Tensor> { read(name)?.dequantize(device)?.to_dtype(dtype) };
+    let arch = gguf_architecture(content)?;
+    let dense = |t: QTensor| -> Result<Tensor> { t.dequantize(device)?.to_dtype(dtype) };
     let eps = config.rms_norm_eps as f32;
-    let embeddings = dense("token_embd.weight")?;
+    let embeddings = dense(read("token_embd.weight")?)?;
     let lm_head = match content.tensor_infos.contains_key("output.weight") {
-        true => dense("output.weight")?,
+        true => dense(read("output.weight")?)?,
         false => embeddings.clone(),
     };
     let layers = (0..config.num_hidden_layers)
         .map(|layer| {
-            let mut at = |name: &str| dense(&format!("blk.{layer}.{name}.weight"));
+            let m = LayerMatrices::read(read, arch, config, layer)?;
             let tensors = LayerTensors {
-                q: at("attn_q")?,
-                k: at("attn_k")?,
-                v: at("attn_v")?,
-                o: at("attn_output")?,
-                gate: at("ffn_gate")?,
-                up: at("ffn_up")?,
-                down: at("ffn_down")?,
-                input_norm: at("attn_norm")?,
-                post_attention_norm: at("ffn_norm")?,
+                q: dense(m.q)?,
+                k: dense(m.k)?,
+                v: dense(m.v)?,
+                o: dense(m.o)?,
+                gate: dense(m.gate)?,
+                up: dense(m.up)?,
+                down: dense(m.down)?,
+                input_norm: dense(read(&format!("blk.{layer}.attn_norm.weight"))?)?,
+                post_attention_norm: dense(read(&format!("blk.{layer}.ffn_norm.weight"))?)?,
             };
             Ok(Layer::Joined(JoinedLayer::new(
                 tensors,
@@ -183,7 +261,7 @@ fn dense_joined_weights(
         embed_tokens: Embedding::new(embeddings, config.hidden_size),
         layers,
         head: Head::Joined(JoinedHead {
-            norm: dense("output_norm.weight")?,
+            norm: dense(read("output_norm.weight")?)?,
             lm_head,
             eps,
         }),
@@ -207,9 +285,10 @@ fn weights_in_chosen_forms(
     };
 
     // One measurement per stored type of the layer matrices, on the largest of that type.
+    let arch = gguf_architecture(content)?;
     let mut samples: HashMap<GgmlDType, (String, usize)> = HashMap::new();
     for layer in 0..config.num_hidden_layers {
-        for matrix in LAYER_MATRICES {
+        for matrix in stored_layer_matrices(arch) {
             let name = format!("blk.{layer}.{matrix}.weight");
             let Some(info) = content.tensor_infos.get(&name) else {
                 bail!("llama: GGUF tensor {name} is missing")
@@ -251,6 +330,13 @@ fn weights_in_chosen_forms(
     for layer in 0..config.num_hidden_layers {
         let input_norm = norm(read, &format!("blk.{layer}.attn_norm.weight"))?;
         let post_attention_norm = norm(read, &format!("blk.{layer}.ffn_norm.weight"))?;
+        let output_norms = match config.gemma2 {
+            Some(_) => Some(OutputNorms {
+                attention: norm(read, &format!("blk.{layer}.post_attention_norm.weight"))?,
+                mlp: norm(read, &format!("blk.{layer}.post_ffw_norm.weight"))?,
+            }),
+            None => None,
+        };
         let qk_norms = if config.qk_norm {
             Some((
                 norm(read, &format!("blk.{layer}.attn_q_norm.weight"))?,
@@ -267,15 +353,14 @@ fn weights_in_chosen_forms(
         } else {
             None
         };
-        let mut matrix = |name: &str| -> Result<Linear> {
-            let tensor = read(&format!("blk.{layer}.{name}.weight"))?;
+        let m = LayerMatrices::read(read, arch, config, layer)?;
+        let matrix = |tensor: QTensor| -> Result<Linear> {
             match plans.get(&tensor.dtype()) {
                 Some(plan) => weight_form::linear(tensor, *plan),
                 None => bail!("llama: no weight plan for {:?}", tensor.dtype()),
             }
         };
-        let (mut q_proj, mut k_proj, mut v_proj) =
-            (matrix("attn_q")?, matrix("attn_k")?, matrix("attn_v")?);
+        let (mut q_proj, mut k_proj, mut v_proj) = (matrix(m.q)?, matrix(m.k)?, matrix(m.v)?);
         if let Some([q, k, v]) = biases {
             (q_proj, k_proj, v_proj) = (
                 q_proj.with_bias(q),
@@ -290,17 +375,19 @@ fn weights_in_chosen_forms(
                 q_proj,
                 k_proj,
                 v_proj,
-                o_proj: matrix("attn_output")?,
+                o_proj: matrix(m.o)?,
                 q_heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
             },
             post_attention_norm,
             mlp: Mlp {
-                gate_proj: matrix("ffn_gate")?,
-                up_proj: matrix("ffn_up")?,
-                down_proj: matrix("ffn_down")?,
+                gate_proj: matrix(m.gate)?,
+                up_proj: matrix(m.up)?,
+                down_proj: matrix(m.down)?,
+                activation: config.mlp_activation(),
             },
+            output_norms,
         })));
     }
     let final_norm = norm(read, "output_norm.weight")?;

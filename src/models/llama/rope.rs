@@ -234,6 +234,8 @@ mod tests {
             tie_word_embeddings: false,
             attention_bias: false,
             qk_norm: false,
+            sliding_window: None,
+            gemma2: None,
             bos_token_id: None,
             eos_token_ids: vec![],
         }

@@ -338,8 +338,10 @@ impl LlamaConfig {
             bail!("gguf: long-context RoPE factors (Phi-3 longrope) are not supported")
         }
         let f32_of = |name: &str| md.get(&key(name)).map(|v| v.to_f32()).transpose();
+        let context_length = usize_of("context_length")?;
         let sliding_window = match md.get(&key("attention.sliding_window")) {
-            Some(size) => {
+            // A window that covers the whole context changes nothing.
+            Some(size) if (size.to_u32()? as usize) < context_length => {
                 let layers = match arch {
                     "gemma2" => WindowedLayers::Even,
                     _ => WindowedLayers::All,
@@ -349,7 +351,7 @@ impl LlamaConfig {
                     layers,
                 })
             }
-            None => None,
+            _ => None,
         };
         let num_hidden_layers = usize_of("block_count")?;
         let gemma2 = match arch {
@@ -382,7 +384,7 @@ impl LlamaConfig {
                 None => 10_000.0,
             },
             rope_scaling,
-            max_position_embeddings: usize_of("context_length")?,
+            max_position_embeddings: context_length,
             tie_word_embeddings: !content.tensor_infos.contains_key("output.weight"),
             attention_bias: arch == "qwen2",
             qk_norm: arch == "qwen3",

@@ -111,6 +111,15 @@ struct Args {
     /// Timed repetitions per point; the median is reported.
     #[arg(long, default_value_t = 7)]
     reps: usize,
+    /// A sliding window: each query sees the last W positions before its own (written as
+    /// `window` in each line). Bandwidth then counts the positions read, not L.
+    #[arg(long, value_name = "W")]
+    window: Option<usize>,
+
+    /// Soft-caps the scores at C (written as `softcap` in each line).
+    #[arg(long, value_name = "C")]
+    softcap: Option<f32>,
+
     /// Force this many splits instead of the heuristic.
     #[arg(long)]
     splits: Option<usize>,
@@ -140,11 +149,13 @@ struct Point {
     l: usize,
     dtype: DType,
     kv_dtype: DType,
+    /// Positions a sliding window lets the op read (`l` without one).
+    read_len: usize,
 }
 
 impl Point {
     fn kv_bytes(&self) -> usize {
-        2 * self.b * self.hk * self.l * self.d * self.kv_dtype.size_in_bytes()
+        2 * self.b * self.hk * self.read_len * self.d * self.kv_dtype.size_in_bytes()
     }
     /// Bytes the op must move: K and V once, q in and out once.
     fn bytes(&self) -> usize {
@@ -212,6 +223,7 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
                         d,
                         l,
                         dtype: dtype.dtype(),
+                        read_len: args.window.map_or(l, |w| l.min(w + t)),
                         kv_dtype: match args.kv_dtype {
                             Some(KvDtype::Fp8) => DType::F8E4M3,
                             None => dtype.dtype(),
@@ -310,6 +322,12 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
         if args.passes > 1 {
             obj.insert("pass".into(), json!(args.pass));
         }
+        if let Some(w) = args.window {
+            obj.insert("window".into(), json!(w));
+        }
+        if let Some(c) = args.softcap {
+            obj.insert("softcap".into(), json!(c));
+        }
     }
     if args.json {
         println!("{line}");
@@ -379,7 +397,10 @@ fn bench_cpu(args: &Args) -> Result<()> {
         }
         let x = Inputs::random(&p, &dev)?;
         let scale = 1.0 / (p.d as f64).sqrt();
-        let op = SplitKvAttention::new(scale as f32).with_num_splits(args.splits);
+        let op = SplitKvAttention::new(scale as f32)
+            .with_num_splits(args.splits)
+            .with_window_left(args.window)
+            .with_softcap(args.softcap);
         let (k, _) = x.kv_views()?;
         let splits = op.split_plan(&x.q, &k)?.num_splits;
         // The layout candle-nn's kernel reads, copied once outside the timing.
@@ -503,6 +524,8 @@ mod gpu {
             {
                 let op = SplitKvAttention::new(scale as f32)
                     .with_num_splits(args.splits)
+                    .with_window_left(args.window)
+                    .with_softcap(args.softcap)
                     .with_cuda_kernel(kernel.choice());
                 let (k, _) = inputs[0].kv_views()?;
                 let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
@@ -543,6 +566,9 @@ fn main() -> Result<()> {
     }
     if args.passes == 0 {
         bail!("--passes must be at least 1");
+    }
+    if (args.window.is_some() || args.softcap.is_some()) && args.backend != Backend::Splitkv {
+        bail!("--window and --softcap time the split-KV op only; pass --backend splitkv");
     }
     if let Some(&t) = args
         .qlen

@@ -7,6 +7,23 @@ use clap::{Parser, ValueEnum};
 
 pub use crate::kv_dtype::KvDtypeArg;
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DtypeArg {
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            DtypeArg::F32 => candle_core::DType::F32,
+            DtypeArg::F16 => candle_core::DType::F16,
+            DtypeArg::Bf16 => candle_core::DType::BF16,
+        }
+    }
+}
+
 /// Summarize a text document with a local LLM, on CPU or CUDA.
 ///
 /// Documents longer than the model's context are cut into chunks on paragraph boundaries; each
@@ -45,9 +62,15 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = AttentionArg::Splitkv)]
     pub attention: AttentionArg,
 
+    /// The dtype the model computes in. Default: f32 on the CPU; on CUDA the checkpoint's
+    /// torch_dtype for HF directories, bf16 (dense, fused kernels) for GGUF models of up to 1 GiB
+    /// of bf16 layer weights and f32 for larger ones.
+    #[arg(long, value_enum, value_name = "DTYPE")]
+    pub dtype: Option<DtypeArg>,
+
     /// How the KV cache stores keys and values. fp8 (e4m3, scale 1) takes half the bytes of bf16
     /// per position, with 3 mantissa bits; keys and values beyond ±448 saturate. Default: the
-    /// model's dtype (f32 on the CPU and for GGUF models).
+    /// dtype the model computes in (--dtype).
     #[arg(long, value_enum, value_name = "DTYPE")]
     pub kv_dtype: Option<KvDtypeArg>,
 

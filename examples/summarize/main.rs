@@ -85,6 +85,7 @@ fn run(args: &Args) -> Result<()> {
     };
     let options = LoadOptions {
         backend,
+        dtype: args.dtype.map(|d| d.dtype()),
         cache_dtype: args.kv_dtype.map(|kv| kv.dtype()),
         weight_forms: args.weight_form.policy(),
         ..LoadOptions::default()

@@ -43,7 +43,10 @@ fn families() -> Vec<(&'static str, String, Family)> {
         (
             "qwen2",
             QWEN2_JSON
-                .replace("\"use_sliding_window\": false", "\"use_sliding_window\": true")
+                .replace(
+                    "\"use_sliding_window\": false",
+                    "\"use_sliding_window\": true",
+                )
                 .replace("\"max_window_layers\": 2", "\"max_window_layers\": 1")
                 .replace("\"sliding_window\": 1024", &window),
             QWEN2,

@@ -1,6 +1,8 @@
 //! Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE with Llama 3 scaling) decoding through
-//! the split-KV op, and the families of the same shape: Mistral (full attention), Phi-3 (joined
-//! q/k/v and gate/up weights, split at load), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms).
+//! the split-KV op, and the families of the same shape: Mistral, Phi-3 (joined q/k/v and gate/up
+//! weights, split at load), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Gemma-2 (norms
+//! after attention and the MLP as well, GELU, scaled embeddings, soft-capped scores and logits),
+//! with the sliding windows each applies (see [`LlamaConfig::window_left`]).
 //!
 //! Each layer applies RoPE as its own op, then hands q, k and v to [`CachedAttention`]: the
 //! prompt runs a blocked causal attention, each generated token runs the split-KV op over a
@@ -340,7 +342,7 @@ impl Llama {
             gguf::load(path, device, options)
         } else {
             bail!(
-                "llama: {} is neither a GGUF file nor an HF model directory",
+                "model: {} is neither a GGUF file nor an HF model directory",
                 path.display()
             )
         }
@@ -688,21 +690,21 @@ impl Llama {
     /// Checks that `tokens` is not empty, is in the vocabulary and fits in the context.
     fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
-            bail!("llama forward: no tokens given")
+            bail!("model forward: no tokens given")
         }
         if let Some(&bad) = tokens
             .iter()
             .find(|&&t| t as usize >= self.config.vocab_size)
         {
             bail!(
-                "llama forward: token id {bad} is out of the vocabulary (size {})",
+                "model forward: token id {bad} is out of the vocabulary (size {})",
                 self.config.vocab_size
             )
         }
         let needed = self.cache_len() + tokens.len();
         if needed > self.context_length() {
             bail!(
-                "llama forward: {} cached + {} new tokens exceed the context length {}",
+                "model forward: {} cached + {} new tokens exceed the context length {}",
                 self.cache_len(),
                 tokens.len(),
                 self.context_length()
@@ -804,7 +806,7 @@ impl Llama {
     pub fn set_cuda_graph(&mut self, on: bool) -> Result<()> {
         if on && !self.device.is_cuda() {
             bail!(
-                "llama: CUDA graphs need a CUDA device, this model is on {:?}",
+                "model: CUDA graphs need a CUDA device, this model is on {:?}",
                 self.device.location()
             )
         }

@@ -176,7 +176,7 @@ impl LlamaConfig {
     /// Parses an HF `config.json`.
     pub fn from_hf_json(json: &str) -> Result<Self> {
         let hf: HfConfig = serde_json::from_str(json)
-            .map_err(|e| candle_core::Error::Msg(format!("llama config.json: {e}")))?;
+            .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
         let model_type = hf.model_type.as_deref().unwrap_or("llama");
         let (attention_bias, qk_norm) = match model_type {
             "llama" | "gemma2" => (hf.attention_bias, false),
@@ -268,7 +268,7 @@ impl LlamaConfig {
     /// Adds the end-of-sequence ids of an HF `generation_config.json`.
     pub(crate) fn merge_generation_config(&mut self, json: &str) -> Result<()> {
         let gen: HfGenerationConfig = serde_json::from_str(json)
-            .map_err(|e| candle_core::Error::Msg(format!("llama generation_config.json: {e}")))?;
+            .map_err(|e| candle_core::Error::Msg(format!("generation_config.json: {e}")))?;
         for id in gen
             .eos_token_id
             .map(OneOrMany::into_vec)
@@ -452,14 +452,14 @@ impl LlamaConfig {
             ("max_position_embeddings", self.max_position_embeddings),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            bail!("llama config: {name} must be at least 1")
+            bail!("model config: {name} must be at least 1")
         }
         if !self
             .num_attention_heads
             .is_multiple_of(self.num_key_value_heads)
         {
             bail!(
-                "llama config: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                "model config: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.num_key_value_heads
             )
@@ -467,7 +467,7 @@ impl LlamaConfig {
         if let Some(window) = &self.sliding_window {
             if window.size < 2 {
                 bail!(
-                    "llama config: sliding_window ({}) must be at least 2 (a token and the one \
+                    "model config: sliding_window ({}) must be at least 2 (a token and the one \
                      before it)",
                     window.size
                 )
@@ -481,14 +481,14 @@ impl LlamaConfig {
                 .all(|c| c.is_finite() && *c > 0.0);
             if !scalar_ok || !caps_ok {
                 bail!(
-                    "llama config: query_pre_attn_scalar and the soft caps must be finite and \
+                    "model config: query_pre_attn_scalar and the soft caps must be finite and \
                      positive, got {g:?}"
                 )
             }
         }
         if !self.head_dim.is_multiple_of(2) {
             bail!(
-                "llama config: head_dim ({}) must be even for RoPE",
+                "model config: head_dim ({}) must be even for RoPE",
                 self.head_dim
             )
         }
@@ -507,9 +507,8 @@ fn required<'a>(
 }
 
 fn hf_rope_scaling(s: HfRopeScaling) -> Result<Option<RopeScaling>> {
-    let missing = |field: &str| {
-        candle_core::Error::Msg(format!("llama config.json: rope_scaling needs `{field}`"))
-    };
+    let missing =
+        |field: &str| candle_core::Error::Msg(format!("config.json: rope_scaling needs `{field}`"));
     match s.rope_type.as_deref().unwrap_or("default") {
         "default" => Ok(None),
         "linear" => Ok(Some(RopeScaling::Linear {
@@ -536,7 +535,7 @@ fn hf_rope_scaling(s: HfRopeScaling) -> Result<Option<RopeScaling>> {
             {
                 if high_freq_factor <= low_freq_factor {
                     bail!(
-                        "llama config.json: rope_scaling high_freq_factor ({high_freq_factor}) must \
+                        "config.json: rope_scaling high_freq_factor ({high_freq_factor}) must \
                          exceed low_freq_factor ({low_freq_factor})"
                     )
                 }
@@ -544,7 +543,7 @@ fn hf_rope_scaling(s: HfRopeScaling) -> Result<Option<RopeScaling>> {
             Ok(Some(scaling))
         }
         other => bail!(
-            "llama config.json: rope_scaling type `{other}` is not supported; supported: default, \
+            "config.json: rope_scaling type `{other}` is not supported; supported: default, \
              linear, llama3"
         ),
     }

@@ -100,7 +100,7 @@ fn row_slice(t: &QTensor, start: usize, count: usize) -> Result<QTensor> {
     let (rows, cols) = t.shape().dims2()?;
     if start + count > rows {
         bail!(
-            "llama: GGUF matrix of {rows} rows has no rows {start}..{}",
+            "model: GGUF matrix of {rows} rows has no rows {start}..{}",
             start + count
         )
     }
@@ -132,7 +132,7 @@ fn run_dtype(
         Some(DType::F32) => Ok(DType::F32),
         Some(dtype @ (DType::F16 | DType::BF16)) if device.is_cuda() => Ok(dtype),
         Some(dtype) => bail!(
-            "llama: GGUF models run in f32, or on CUDA in f16 or bf16 (dense); got {dtype:?} on \
+            "model: GGUF models run in f32, or on CUDA in f16 or bf16 (dense); got {dtype:?} on \
              {:?}",
             device.location()
         ),
@@ -153,12 +153,12 @@ fn run_dtype(
 
 pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result<LoadedModel> {
     let file = File::open(path).map_err(|e| {
-        candle_core::Error::Msg(format!("llama: cannot open {}: {e}", path.display()))
+        candle_core::Error::Msg(format!("model: cannot open {}: {e}", path.display()))
     })?;
     let mut reader = BufReader::new(file);
     let content = Content::read(&mut reader).map_err(|e| {
         e.context(format!(
-            "llama: {} is not a readable GGUF file",
+            "model: {} is not a readable GGUF file",
             path.display()
         ))
     })?;
@@ -173,7 +173,7 @@ pub(super) fn load(path: &Path, device: &Device, options: LoadOptions) -> Result
     let arch = gguf_architecture(&content)?;
     if dtype != DType::F32 && !config.joins_for_fused_kernels() {
         bail!(
-            "llama: {arch} GGUF models run in f32 (the fused bf16 kernels take no q/k/v biases, \
+            "model: {arch} GGUF models run in f32 (the fused bf16 kernels take no q/k/v biases, \
              q/k norms or Gemma-2 layers), got dtype {dtype:?}"
         )
     }
@@ -291,7 +291,7 @@ fn weights_in_chosen_forms(
         for matrix in stored_layer_matrices(arch) {
             let name = format!("blk.{layer}.{matrix}.weight");
             let Some(info) = content.tensor_infos.get(&name) else {
-                bail!("llama: GGUF tensor {name} is missing")
+                bail!("model: GGUF tensor {name} is missing")
             };
             let size = info.shape.elem_count();
             let entry = samples
@@ -357,7 +357,7 @@ fn weights_in_chosen_forms(
         let matrix = |tensor: QTensor| -> Result<Linear> {
             match plans.get(&tensor.dtype()) {
                 Some(plan) => weight_form::linear(tensor, *plan),
-                None => bail!("llama: no weight plan for {:?}", tensor.dtype()),
+                None => bail!("model: no weight plan for {:?}", tensor.dtype()),
             }
         };
         let (mut q_proj, mut k_proj, mut v_proj) = (matrix(m.q)?, matrix(m.k)?, matrix(m.v)?);

@@ -18,11 +18,11 @@ pub(super) fn load(dir: &Path, device: &Device, options: LoadOptions) -> Result<
     }
     let tokenizer_path = dir.join("tokenizer.json");
     if !tokenizer_path.is_file() {
-        bail!("llama: {} is missing", tokenizer_path.display())
+        bail!("model: {} is missing", tokenizer_path.display())
     }
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| {
         candle_core::Error::Msg(format!(
-            "llama: cannot read {}: {e}",
+            "model: cannot read {}: {e}",
             tokenizer_path.display()
         ))
     })?;
@@ -34,7 +34,7 @@ pub(super) fn load(dir: &Path, device: &Device, options: LoadOptions) -> Result<
         None => checkpoint_dtype(&config_json)?.unwrap_or(DType::BF16),
     };
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        bail!("llama: dtype {dtype:?} is not supported; use f32, f16 or bf16")
+        bail!("model: dtype {dtype:?} is not supported; use f32, f16 or bf16")
     }
     let mut tensors = HashMap::new();
     for file in safetensors_files(dir)? {
@@ -55,19 +55,19 @@ pub(super) fn load(dir: &Path, device: &Device, options: LoadOptions) -> Result<
 
 fn read_text(path: &Path) -> Result<String> {
     std::fs::read_to_string(path)
-        .map_err(|e| candle_core::Error::Msg(format!("llama: cannot read {}: {e}", path.display())))
+        .map_err(|e| candle_core::Error::Msg(format!("model: cannot read {}: {e}", path.display())))
 }
 
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(dir).map_err(|e| {
-        candle_core::Error::Msg(format!("llama: cannot list {}: {e}", dir.display()))
+        candle_core::Error::Msg(format!("model: cannot list {}: {e}", dir.display()))
     })?;
     let mut files: Vec<PathBuf> = entries
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|ext| ext == "safetensors"))
         .collect();
     if files.is_empty() {
-        bail!("llama: no *.safetensors file in {}", dir.display())
+        bail!("model: no *.safetensors file in {}", dir.display())
     }
     files.sort();
     Ok(files)
@@ -76,7 +76,7 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// The checkpoint's `torch_dtype`, if it names one we run.
 fn checkpoint_dtype(config_json: &str) -> Result<Option<DType>> {
     let value: serde_json::Value = serde_json::from_str(config_json)
-        .map_err(|e| candle_core::Error::Msg(format!("llama config.json: {e}")))?;
+        .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
     Ok(match value.get("torch_dtype").and_then(|v| v.as_str()) {
         Some("bfloat16") => Some(DType::BF16),
         Some("float16") => Some(DType::F16),
@@ -93,7 +93,7 @@ fn chat_template(dir: &Path) -> Result<Option<String>> {
         return Ok(None);
     }
     let value: serde_json::Value = serde_json::from_str(&read_text(&path)?)
-        .map_err(|e| candle_core::Error::Msg(format!("llama {}: {e}", path.display())))?;
+        .map_err(|e| candle_core::Error::Msg(format!("model {}: {e}", path.display())))?;
     Ok(match value.get("chat_template") {
         Some(serde_json::Value::String(template)) => Some(template.clone()),
         Some(serde_json::Value::Array(named)) => named

@@ -1,12 +1,12 @@
 //! Prefill and decode throughput of a GGUF or HF model of any family the decoder loads (Llama,
-//! Mistral, Phi-3, Qwen2, Qwen3), ours (split-KV and naive attention) and optionally
+//! Mistral, Phi-3, Qwen2, Qwen3, Gemma-2), ours (split-KV and naive attention) and optionally
 //! candle-transformers' `quantized_llama` (llama GGUFs), in one run.
 //!
 //! For each context C: prefill a C-token prompt (timed), then 4 warm-up and `--steps` timed
 //! decode steps. Prints one JSON line per (backend, context).
 //!
 //! ```text
-//! cargo run --release --example llama_throughput -- --model model.gguf --contexts 2500,4096 --stock
+//! cargo run --release --example model_throughput -- --model model.gguf --contexts 2500,4096 --stock
 //! ```
 
 use std::path::PathBuf;

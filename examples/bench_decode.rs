@@ -154,8 +154,13 @@ struct Point {
 }
 
 impl Point {
+    /// K+V bytes the op reads.
     fn kv_bytes(&self) -> usize {
         2 * self.b * self.hk * self.read_len * self.d * self.kv_dtype.size_in_bytes()
+    }
+    /// K+V bytes of the whole cache, window or not.
+    fn cache_bytes(&self) -> usize {
+        2 * self.b * self.hk * self.l * self.d * self.kv_dtype.size_in_bytes()
     }
     /// Bytes the op must move: K and V once, q in and out once.
     fn bytes(&self) -> usize {
@@ -229,7 +234,7 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
                             None => dtype.dtype(),
                         },
                     };
-                    if p.kv_bytes() as f64 <= args.max_kv_gib * (1u64 << 30) as f64 {
+                    if p.cache_bytes() as f64 <= args.max_kv_gib * (1u64 << 30) as f64 {
                         out.push(p);
                     }
                 }
@@ -478,9 +483,14 @@ mod gpu {
     use super::*;
     use candle_splitkv::CudaKernel;
 
-    /// Buffer sets so that one sweep reads at least 512 MiB of K/V, at most 32.
+    /// Buffer sets so that one sweep reads at least 512 MiB of K/V, at most 32, and at most
+    /// 16 GiB of caches (a short window over long caches reads little of each).
     pub fn rotation(p: &Point) -> usize {
-        (512usize << 20).div_ceil(p.kv_bytes()).clamp(1, 32)
+        let fitting = ((16usize << 30) / p.cache_bytes()).max(1);
+        (512usize << 20)
+            .div_ceil(p.kv_bytes())
+            .clamp(1, 32)
+            .min(fitting)
     }
 
     impl KernelArg {

@@ -38,6 +38,7 @@ struct DecodeParams {
     // Read by the windowed forms only:
     int window_left;        // a query sees at most this many positions before its own; -1: all
     float softcap_log2;     // soft cap c·log2(e) of the base-2 scores (c·tanh(s/c)); 0: none
+    float softcap_exp2;     // 2/c: e^(2s/c) of a natural score s is 2^(this · its base-2 score)
 };
 
 // The positions [start, end) that split `split` of a sequence of `len` cached positions streams.
@@ -139,12 +140,6 @@ __device__ __forceinline__ int visible_begin(const DecodeParams& p, int len, int
     return p.window_left < 0 ? 0 : max(0, visible_end(len, token, p.query_tokens) - 1 - p.window_left);
 }
 
-// A base-2 score soft-capped as c·tanh(s/c) in natural units (the cap is c·log2(e)); a masked
-// score (-inf) stays masked.
-__device__ __forceinline__ float soft_capped(const DecodeParams& p, float score) {
-    return score == -INFINITY ? score : p.softcap_log2 * tanhf(score / p.softcap_log2);
-}
-
 // Both partial kernels run four independently streaming warps per CTA.
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -155,6 +150,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// A base-2 score soft-capped as c·tanh(s/c) in natural units (the cap is c·log2(e)); a masked
+// score (-inf) stays masked. tanh(y) = 1 − 2 / (e^(2y) + 1), through one exp2 and one reciprocal
+// (tanhf costs several times that, and capped calls spent most of their time on it).
+__device__ __forceinline__ float soft_capped(const DecodeParams& p, float score) {
+    const float e = fast_exp2(score * p.softcap_exp2);
+    const float capped = p.softcap_log2 - __fdividef(2.f * p.softcap_log2, e + 1.f);
+    return score == -INFINITY ? score : capped;
 }
 
 __device__ __forceinline__ float to_float(float x) { return x; }

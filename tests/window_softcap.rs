@@ -102,6 +102,7 @@ fn gpu_window_and_softcap_wide_groups_many_items_and_fp8() -> Result<()> {
     // (b, t, h_q, h_kv, d, L, window, softcap)
     for (b, t, h_q, h_kv, d, l, window, softcap) in [
         (1, 1, 64, 2, 128, 5000, Some(2048), Some(30.0)),
+        (1, 1, 32, 8, 128, 8192, Some(4095), None),
         (2, 4, 48, 1, 64, 900, Some(300), None),
         (16, 1, 32, 8, 128, 6000, Some(4096), Some(50.0)),
         (3, 2, 16, 8, 256, 2500, Some(1000), Some(50.0)),

@@ -201,6 +201,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
             .window_left
             .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
         softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
+        softcap_exp2: call.softcap.map_or(0.0, |c| 2.0 / c),
     };
     // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
     // `batch` entries, and writes only the buffers allocated above, sized for this launch, and

@@ -720,9 +720,13 @@ impl Llama {
         if self.config.gemma2.is_none() {
             return Ok(x);
         }
-        let scale = Tensor::new((self.config.hidden_size as f32).sqrt(), &self.device)?
-            .to_dtype(x.dtype())?;
-        x.broadcast_mul(&scale)
+        let scale = (self.config.hidden_size as f64).sqrt();
+        let scale = match x.dtype() {
+            DType::BF16 => half::bf16::from_f64(scale).to_f64(),
+            DType::F16 => half::f16::from_f64(scale).to_f64(),
+            _ => scale,
+        };
+        x.affine(scale, 0.0)
     }
 
     /// Runs every layer over `x`, appending to the caches at `positions`.

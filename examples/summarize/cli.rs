@@ -127,6 +127,12 @@ pub struct Args {
     #[arg(long, default_value_t = 1024)]
     pub chunk_tokens: usize,
 
+    /// A JSON list of facts planted in the document (`{"facts": [{"fact": ..., "forms": [...]}]}`):
+    /// the statistics then say how many of them the summary recalls, and which numbers and
+    /// names it states that the document does not.
+    #[arg(long, value_name = "FILE")]
+    pub facts: Option<PathBuf>,
+
     /// Print one JSON object with the summary and the statistics on stdout, instead of streaming
     /// the summary as text.
     #[arg(long)]

@@ -16,6 +16,7 @@ mod hub;
 #[path = "../common/kv_dtype.rs"]
 mod kv_dtype;
 mod map_reduce;
+mod planted_facts;
 mod progress;
 mod stats;
 
@@ -33,6 +34,7 @@ use bad_input::{bad_input, BadInput};
 use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
 use map_reduce::Summarizer;
+use planted_facts::PlantedFacts;
 use progress::Progress;
 use stats::RunInfo;
 
@@ -64,6 +66,7 @@ fn run(args: &Args) -> Result<()> {
     check_options(args)?;
     // The document is checked first: a typo in its name should not wait for a model download.
     let document = document::read_document(&args.file)?;
+    let planted_facts = args.facts.as_deref().map(PlantedFacts::read).transpose()?;
     let device = select_device(args.device)?;
     let model_path = match (&args.model, &args.model_id) {
         (Some(path), _) if !path.exists() => bad_input!("model not found: {}", path.display()),
@@ -138,6 +141,7 @@ fn run(args: &Args) -> Result<()> {
         kv_dtype,
         speculate: args.speculate,
         elapsed_secs: started.elapsed().as_secs_f64(),
+        facts: planted_facts.map(|facts| facts.score(&summary.text, &document)),
     };
     if args.json {
         println!("{}", stats::json_report(&summary, &info));

@@ -1,0 +1,176 @@
+//! Checking a summary against its source: a number or a name the source does not contain was
+//! invented by the model, and so is the sentence that states it.
+
+use std::collections::HashSet;
+
+use super::mentions::{mentions, Mention};
+use super::sentences::sentences;
+
+/// The numbers and words of a source text, to tell which mentions of a summary it grounds.
+///
+/// A mention is *ungrounded* (invented) when:
+/// - it is a number (see [`Mention::Number`]) that the source does not contain as a number, after
+///   group commas are removed: `4,200` matches `4200`, but not `4.2 thousand` or `four thousand
+///   two hundred`;
+/// - it is a capitalized word inside a sentence that the source does not contain with the same
+///   spelling and case: `Halvorsen`, or `Council` where the source only has `council`;
+/// - it is a capitalized word opening a sentence that the source does not contain in any case:
+///   `The` is grounded by any `the`, an unknown `Meanwhile` is counted.
+///
+/// The check is conservative: it counts more than invented facts (a capitalized common word the
+/// source never uses, a figure the summary computed or rounded), and it misses a fact invented
+/// from grounded parts (a real name next to a real figure it does not belong to).
+#[derive(Debug, Clone, Default)]
+pub struct Grounding {
+    numbers: HashSet<String>,
+    words: HashSet<String>,
+    lowercase_words: HashSet<String>,
+}
+
+impl Grounding {
+    /// Indexes the numbers and words of `source`.
+    pub fn new(source: &str) -> Self {
+        let numbers = mentions(source)
+            .into_iter()
+            .filter_map(|mention| match mention {
+                Mention::Number(number) => Some(number),
+                Mention::Name { .. } => None,
+            })
+            .collect();
+        let words: HashSet<String> = source
+            .split(|c: char| !c.is_alphabetic())
+            .filter(|word| !word.is_empty())
+            .map(str::to_string)
+            .collect();
+        let lowercase_words = words.iter().map(|word| word.to_lowercase()).collect();
+        Self {
+            numbers,
+            words,
+            lowercase_words,
+        }
+    }
+
+    /// Whether the source grounds `mention`.
+    pub fn grounds(&self, mention: &Mention) -> bool {
+        match mention {
+            Mention::Number(number) => self.numbers.contains(number),
+            Mention::Name {
+                word,
+                sentence_start: false,
+            } => self.words.contains(word),
+            Mention::Name {
+                word,
+                sentence_start: true,
+            } => self.lowercase_words.contains(&word.to_lowercase()),
+        }
+    }
+
+    /// The mentions of `text` the source does not ground, in order, each once.
+    pub fn ungrounded(&self, text: &str) -> Vec<Mention> {
+        let mut seen = HashSet::new();
+        mentions(text)
+            .into_iter()
+            .filter(|mention| !self.grounds(mention) && seen.insert(mention.clone()))
+            .collect()
+    }
+
+    /// `text` without its sentences that state an ungrounded mention, trimmed, and how many
+    /// sentences were dropped.
+    pub fn keep_grounded(&self, text: &str) -> (String, usize) {
+        let mut kept = String::with_capacity(text.len());
+        let mut dropped = 0;
+        for sentence in sentences(text) {
+            if mentions(sentence)
+                .iter()
+                .all(|mention| self.grounds(mention))
+            {
+                kept.push_str(sentence);
+            } else {
+                dropped += 1;
+            }
+        }
+        (kept.trim().to_string(), dropped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SOURCE: &str = "The barrier cost £412 million, against a budget of £286m. \
+        It protects 18,600 homes in Port Ellery; the town council paid a share.";
+
+    fn names(mentions: &[Mention]) -> Vec<String> {
+        mentions
+            .iter()
+            .map(|mention| match mention {
+                Mention::Number(number) => number.clone(),
+                Mention::Name { word, .. } => word.clone(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn numbers_match_in_any_grouping() {
+        let grounding = Grounding::new(SOURCE);
+        assert!(grounding
+            .ungrounded("It cost 412 million and protects 18600 homes.")
+            .is_empty());
+        assert_eq!(
+            names(&grounding.ungrounded("It cost 412,000,000, or 44% over 286.")),
+            ["412000000", "44"]
+        );
+    }
+
+    #[test]
+    fn names_inside_a_sentence_must_match_in_case() {
+        let grounding = Grounding::new(SOURCE);
+        assert!(grounding
+            .ungrounded("The barrier protects Port Ellery.")
+            .is_empty());
+        assert_eq!(
+            names(&grounding.ungrounded("Mayor Halvorsen told the Council, twice. Town hall.")),
+            ["Mayor", "Halvorsen", "Council"]
+        );
+    }
+
+    #[test]
+    fn a_word_opening_a_sentence_matches_in_any_case() {
+        let grounding = Grounding::new(SOURCE);
+        assert!(grounding
+            .ungrounded("Town council. Homes. It protects.")
+            .is_empty());
+        // The source never uses the word at all.
+        assert_eq!(
+            names(&grounding.ungrounded("Meanwhile, it held.")),
+            ["Meanwhile"]
+        );
+    }
+
+    #[test]
+    fn each_ungrounded_mention_is_listed_once() {
+        let grounding = Grounding::new(SOURCE);
+        assert_eq!(
+            names(&grounding.ungrounded("In 1999 and 1999, Zed met Zed.")),
+            ["1999", "Zed"]
+        );
+    }
+
+    #[test]
+    fn keeps_only_grounded_sentences() {
+        let grounding = Grounding::new(SOURCE);
+        let summary = "The barrier cost £412 million. It was built by Brackwater in 2019. \
+            It protects 18,600 homes.\nThe Council paid.";
+        assert_eq!(
+            grounding.keep_grounded(summary),
+            (
+                "The barrier cost £412 million. It protects 18,600 homes.".to_string(),
+                2
+            )
+        );
+        assert_eq!(
+            grounding.keep_grounded("Nothing in 1066."),
+            (String::new(), 1)
+        );
+    }
+}

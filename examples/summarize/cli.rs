@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use candle_splitkv::models::llama::{WeightForm, WeightFormPolicy};
+use candle_splitkv::summarize::Reduce;
 use clap::{Parser, ValueEnum};
 
 pub use crate::kv_dtype::KvDtypeArg;
@@ -127,6 +128,22 @@ pub struct Args {
     #[arg(long, default_value_t = 1024)]
     pub chunk_tokens: usize,
 
+    /// A document longer than this many tokens is summarized from its sentences that state the
+    /// most names, numbers and dates, up to this many tokens of them; 0 summarizes it whole.
+    #[arg(long, default_value_t = 2048, value_name = "N")]
+    pub select_tokens: usize,
+
+    /// How the summaries of the chunks become the final summary: `carry-facts` keeps their
+    /// sentences with the most names, numbers and dates, up to --max-new-tokens; `summarize`
+    /// has the model summarize them again.
+    #[arg(long, value_enum, default_value_t = ReduceArg::CarryFacts)]
+    pub reduce: ReduceArg,
+
+    /// Keep the sentences that state a number or a name the document does not contain; by
+    /// default they are dropped from every answer.
+    #[arg(long)]
+    pub keep_ungrounded: bool,
+
     /// A JSON list of facts planted in the document (`{"facts": [{"fact": ..., "forms": [...]}]}`):
     /// the statistics then say how many of them the summary recalls, and which numbers and
     /// names it states that the document does not.
@@ -169,6 +186,21 @@ impl WeightFormArg {
             Self::AsStored => WeightFormPolicy::Fixed(WeightForm::AsStored),
             Self::Q8_0 => WeightFormPolicy::Fixed(WeightForm::Q8_0),
             Self::DenseF32 => WeightFormPolicy::Fixed(WeightForm::DenseF32),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReduceArg {
+    CarryFacts,
+    Summarize,
+}
+
+impl ReduceArg {
+    pub fn reduce(self) -> Reduce {
+        match self {
+            Self::CarryFacts => Reduce::CarryFacts,
+            Self::Summarize => Reduce::Summarize,
         }
     }
 }

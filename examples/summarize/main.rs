@@ -33,7 +33,7 @@ use clap::Parser;
 use bad_input::{bad_input, BadInput};
 use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
-use map_reduce::Summarizer;
+use map_reduce::{Plan, Summarizer};
 use planted_facts::PlantedFacts;
 use progress::Progress;
 use stats::RunInfo;
@@ -127,8 +127,18 @@ fn run(args: &Args) -> Result<()> {
         speculate: args.speculate,
     };
     let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
-    let summary = Summarizer::new(&mut generator, chat, args.chunk_tokens, args.max_new_tokens)
-        .summarize(&document, &mut progress, !args.json)?;
+    let plan = Plan {
+        chunk_tokens: args.chunk_tokens,
+        max_new_tokens: args.max_new_tokens,
+        select_tokens: (args.select_tokens > 0).then_some(args.select_tokens),
+        reduce: args.reduce.reduce(),
+        ground: !args.keep_ungrounded,
+    };
+    let summary = Summarizer::new(&mut generator, chat, plan).summarize(
+        &document,
+        &mut progress,
+        !args.json,
+    )?;
     progress.clear();
 
     let info = RunInfo {

@@ -57,8 +57,11 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
             score.invented.len()
         )
     });
+    let selected = summary
+        .selected_tokens
+        .map_or(String::new(), |tokens| format!(" | {tokens} selected"));
     format!(
-        "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
+        "document {} tokens{selected} | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
          attention {} | kv {} | device {}{facts} | {:.1} s",
         summary.document_tokens,
         summary.chunks,
@@ -87,8 +90,10 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
         "summary": summary.text,
         "stats": {
             "document_tokens": summary.document_tokens,
+            "selected_tokens": summary.selected_tokens,
             "chunks": summary.chunks,
             "extra_merge_rounds": summary.extra_rounds,
+            "dropped_sentences": summary.dropped_sentences,
             "generations": summary.generations,
             "prefill_tokens": t.prefill_tokens,
             "prefill_seconds": t.prefill_secs,

@@ -74,8 +74,9 @@ impl Grounding {
             .collect()
     }
 
-    /// `text` without its sentences that state an ungrounded mention, trimmed, and how many
-    /// sentences were dropped.
+    /// `text` without its sentences that state an ungrounded mention, and how many sentences
+    /// were dropped. Each kept sentence keeps the whitespace after it, so that a text shown a
+    /// few sentences at a time reads the same as the whole text filtered at once.
     pub fn keep_grounded(&self, text: &str) -> (String, usize) {
         let mut kept = String::with_capacity(text.len());
         let mut dropped = 0;
@@ -89,7 +90,7 @@ impl Grounding {
                 dropped += 1;
             }
         }
-        (kept.trim().to_string(), dropped)
+        (kept, dropped)
     }
 }
 
@@ -164,7 +165,7 @@ mod tests {
         assert_eq!(
             grounding.keep_grounded(summary),
             (
-                "The barrier cost £412 million. It protects 18,600 homes.".to_string(),
+                "The barrier cost £412 million. It protects 18,600 homes.\n".to_string(),
                 2
             )
         );

@@ -1,4 +1,4 @@
-//! Summarizing a document of any length: summarize chunks that fit, then summarize the summaries.
+//! Summarizing a document of any length: summarize chunks that fit, then reduce the summaries.
 //!
 //! [`MapReduce`] plans the generations and reduces their answers; the caller runs the model. It
 //! hands out [`Round`]s of prompts and takes back the answers, until the final summary.
@@ -10,8 +10,21 @@ use tokenizers::Tokenizer;
 use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::prompts::{encode_prompt, prompt_overhead, Task};
+use super::salience::select_salient_sentences;
 use super::whole_sentences::drop_unfinished_sentence;
-use super::{ChatTemplate, SummarizeError};
+use super::{ChatTemplate, Grounding, SummarizeError};
+
+/// How the summaries of the parts become the final summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduce {
+    /// The model summarizes the summaries, in as many rounds as they need to fit one prompt.
+    #[default]
+    Summarize,
+    /// The sentences of the summaries that state the most names, numbers and dates, up to the
+    /// final summary's limit, in document order ([`Round::Done`]): no further generation, so no
+    /// fact is summarized away. Where no sentence states any, the model summarizes them.
+    CarryFacts,
+}
 
 /// The generations to run next: each prompt is answered by a generation of at most
 /// `max_new_tokens` tokens that starts from an empty cache.
@@ -43,22 +56,41 @@ pub enum Round {
         /// The limit of the answer.
         max_new_tokens: usize,
     },
+    /// The final summary, put together from the summaries of the parts without another
+    /// generation ([`Reduce::CarryFacts`]).
+    Done {
+        /// The summary.
+        summary: String,
+    },
 }
 
-/// Plans the summary of a document of any length. One that fits the model's context is
-/// summarized at once; a longer one is cut into chunks on paragraph and sentence boundaries, each
-/// chunk is summarized, then the summaries are summarized, in as many rounds as they need to fit
-/// one prompt.
+/// Plans the summary of a document of any length. One that fits a chunk is summarized at once; a
+/// longer one is cut into chunks on paragraph and sentence boundaries, each chunk is summarized,
+/// then the summaries are reduced to one: by default summarized, in as many rounds as they need
+/// to fit one prompt.
 ///
 /// Intermediate summaries get half the final summary's limit (at least 16 tokens), and every
 /// answer is cut back to its last whole sentence.
+///
+/// Three steps keep the facts of a long document, each off unless asked for:
+/// [`with_selection`](Self::with_selection) summarizes only the sentences that state the most
+/// names, numbers and dates; [`with_reduce`](Self::with_reduce) can carry the facts of the
+/// parts' summaries into the final one instead of summarizing them again; and
+/// [`with_grounding`](Self::with_grounding) drops every sentence of an answer that states a
+/// number or a name the document does not contain.
 pub struct MapReduce<'t> {
     tokenizer: &'t Tokenizer,
     chat: ChatTemplate,
     budgets: Budgets,
+    selection_budget: Option<usize>,
+    reduce: Reduce,
+    ground: bool,
+    grounding: Option<Grounding>,
     document_tokens: usize,
+    selected_tokens: Option<usize>,
     chunks: usize,
     merge_rounds: usize,
+    dropped_sentences: usize,
 }
 
 impl<'t> MapReduce<'t> {
@@ -81,22 +113,70 @@ impl<'t> MapReduce<'t> {
             tokenizer,
             chat,
             budgets,
+            selection_budget: None,
+            reduce: Reduce::default(),
+            ground: false,
+            grounding: None,
             document_tokens: 0,
+            selected_tokens: None,
             chunks: 0,
             merge_rounds: 0,
+            dropped_sentences: 0,
         })
     }
 
-    /// Cuts `document` into chunks and returns the first round: the final summary when the
-    /// document fits at once, the summaries of its parts otherwise.
+    /// Summarizes a document of more than `tokens` tokens from its sentences that state the most
+    /// names, numbers and dates, up to `tokens` of them, in document order, instead of from all
+    /// of it. A document without such sentences is summarized whole. `None` (the default)
+    /// summarizes every document whole.
+    pub fn with_selection(mut self, tokens: Option<usize>) -> Self {
+        self.selection_budget = tokens;
+        self
+    }
+
+    /// How the summaries of the parts become the final summary ([`Reduce::Summarize`] by
+    /// default).
+    pub fn with_reduce(mut self, reduce: Reduce) -> Self {
+        self.reduce = reduce;
+        self
+    }
+
+    /// Whether to drop each sentence of an answer that states a number or a name the document
+    /// does not contain (see [`Grounding`]); off by default.
+    pub fn with_grounding(mut self, ground: bool) -> Self {
+        self.ground = ground;
+        self
+    }
+
+    /// Cuts `document` (or its selected sentences) into chunks and returns the first round: the
+    /// final summary when it fits at once, the summaries of its parts otherwise.
     pub fn start(&mut self, document: &str) -> Result<Round, SummarizeError> {
         let starts = token_starts(self.tokenizer, document)?;
-        let chunks = split_into_chunks(document, &starts, self.budgets.chunk);
         self.document_tokens = starts.len();
-        self.chunks = chunks.len().max(1);
+        self.selected_tokens = None;
         self.merge_rounds = 0;
+        self.dropped_sentences = 0;
+        self.grounding = self.ground.then(|| Grounding::new(document));
+        let selection: String;
+        let (text, starts) = match self.selection_budget {
+            Some(budget) if starts.len() > budget => {
+                let sentences = select_salient_sentences(document, &starts, budget);
+                if sentences.is_empty() {
+                    (document, starts)
+                } else {
+                    // One paragraph each, so that chunks end between sentences.
+                    selection = sentences.join("\n\n");
+                    let selection_starts = token_starts(self.tokenizer, &selection)?;
+                    self.selected_tokens = Some(selection_starts.len());
+                    (selection.as_str(), selection_starts)
+                }
+            }
+            _ => (document, starts),
+        };
+        let chunks = split_into_chunks(text, &starts, self.budgets.chunk);
+        self.chunks = chunks.len().max(1);
         if chunks.len() <= 1 {
-            return self.final_round(Task::Document(document.trim()));
+            return self.final_round(Task::Document(text.trim()));
         }
         let prompts = self.prompts(chunks.into_iter().map(Task::Part))?;
         Ok(Round::Parts {
@@ -106,21 +186,32 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Takes the answers of a [`Round::Parts`] or [`Round::Merge`] and returns the next round:
-    /// the final summary when the summaries fit one prompt, another merge otherwise.
+    /// with [`Reduce::CarryFacts`], the summary itself; else the final summary when the
+    /// summaries fit one prompt, another merge otherwise.
     ///
-    /// Empty answers are skipped. Fails when all of them are empty, or when merging would not
-    /// leave fewer summaries than there are.
+    /// Empty answers are skipped (so are answers left empty by grounding). Fails when all of
+    /// them are empty, or when merging would not leave fewer summaries than there are.
     pub fn next_round(&mut self, answers: &[String]) -> Result<Round, SummarizeError> {
-        let summaries: Vec<&str> = answers
-            .iter()
-            .map(|answer| drop_unfinished_sentence(answer))
-            .filter(|summary| !summary.is_empty())
-            .collect();
+        let mut summaries = Vec::with_capacity(answers.len());
+        for answer in answers {
+            let summary = self.grounded(drop_unfinished_sentence(answer));
+            if !summary.is_empty() {
+                summaries.push(summary);
+            }
+        }
         if summaries.is_empty() {
             return Err(SummarizeError::AllSummariesEmpty);
         }
         let joined = summaries.join("\n\n");
         let starts = token_starts(self.tokenizer, &joined)?;
+        if self.reduce == Reduce::CarryFacts {
+            let picked = select_salient_sentences(&joined, &starts, self.budgets.final_summary);
+            if !picked.is_empty() {
+                return Ok(Round::Done {
+                    summary: picked.join(" "),
+                });
+            }
+        }
         let groups = split_into_chunks(&joined, &starts, self.budgets.merge);
         if groups.len() <= 1 {
             return self.final_round(Task::Summaries(&joined));
@@ -138,13 +229,25 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Takes the answer of the [`Round::Final`] and returns the summary: the answer up to its
-    /// last whole sentence. Fails when that is empty.
-    pub fn finish(&self, answer: &str) -> Result<String, SummarizeError> {
-        let summary = drop_unfinished_sentence(answer);
-        if summary.is_empty() {
+    /// last whole sentence, without its ungrounded sentences when grounding is on. Fails when
+    /// that is empty.
+    pub fn finish(&mut self, answer: &str) -> Result<String, SummarizeError> {
+        let whole = drop_unfinished_sentence(answer);
+        if whole.is_empty() {
             return Err(SummarizeError::EmptySummary);
         }
-        Ok(summary.to_string())
+        let summary = self.grounded(whole);
+        if summary.is_empty() {
+            return Err(SummarizeError::NothingGrounded);
+        }
+        Ok(summary)
+    }
+
+    /// The grounding of the document being summarized, when grounding is on: what
+    /// [`finish`](Self::finish) checks the final answer against, for a caller that shows the
+    /// answer as it is written.
+    pub fn grounding(&self) -> Option<&Grounding> {
+        self.grounding.as_ref()
     }
 
     /// How many tokens the document has.
@@ -152,14 +255,37 @@ impl<'t> MapReduce<'t> {
         self.document_tokens
     }
 
-    /// How many chunks the document was cut into (1 when it fits at once).
+    /// How many tokens the selected sentences have, when the document was summarized from them.
+    pub fn selected_tokens(&self) -> Option<usize> {
+        self.selected_tokens
+    }
+
+    /// How many chunks the document (or its selected sentences) was cut into (1 when it fits at
+    /// once).
     pub fn chunks(&self) -> usize {
         self.chunks
+    }
+
+    /// How many sentences of the answers grounding dropped.
+    pub fn dropped_sentences(&self) -> usize {
+        self.dropped_sentences
     }
 
     /// How many rounds of merging summaries came before the final one (0 for most documents).
     pub fn merge_rounds(&self) -> usize {
         self.merge_rounds
+    }
+
+    /// `text`, trimmed, without its ungrounded sentences when grounding is on.
+    fn grounded(&mut self, text: &str) -> String {
+        match &self.grounding {
+            Some(grounding) => {
+                let (kept, dropped) = grounding.keep_grounded(text);
+                self.dropped_sentences += dropped;
+                kept.trim().to_string()
+            }
+            None => text.trim().to_string(),
+        }
     }
 
     fn final_round(&self, task: Task) -> Result<Round, SummarizeError> {
@@ -185,9 +311,14 @@ impl fmt::Debug for MapReduce<'_> {
         f.debug_struct("MapReduce")
             .field("chat", &self.chat)
             .field("budgets", &self.budgets)
+            .field("selection_budget", &self.selection_budget)
+            .field("reduce", &self.reduce)
+            .field("ground", &self.ground)
             .field("document_tokens", &self.document_tokens)
+            .field("selected_tokens", &self.selected_tokens)
             .field("chunks", &self.chunks)
             .field("merge_rounds", &self.merge_rounds)
+            .field("dropped_sentences", &self.dropped_sentences)
             .finish_non_exhaustive()
     }
 }

@@ -22,6 +22,7 @@
 //!         Round::Final { prompt, max_new_tokens } => {
 //!             break plan.finish(&generate(&prompt, max_new_tokens))?;
 //!         }
+//!         Round::Done { summary } => break summary,
 //!     };
 //! };
 //! # Ok(()) }
@@ -38,6 +39,7 @@ mod grounding;
 mod map_reduce;
 mod mentions;
 mod prompts;
+mod salience;
 mod sentences;
 #[cfg(test)]
 mod test_tokenizer;
@@ -47,6 +49,6 @@ pub use chat_template::ChatTemplate;
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
 pub use grounding::Grounding;
-pub use map_reduce::{MapReduce, Round};
+pub use map_reduce::{MapReduce, Reduce, Round};
 pub use mentions::Mention;
 pub use whole_sentences::WholeSentences;

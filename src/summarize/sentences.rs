@@ -1,9 +1,19 @@
 //! Cutting text into sentences, for checking and ranking them one by one.
 
+use std::ops::Range;
+
 /// The sentences of `text`, in order: each ends after `.`, `!` or `?` followed by whitespace, or
 /// at a line break, and keeps the whitespace after it, so that the pieces joined are the text.
 /// A decimal point (`4.2`) ends nothing, as no whitespace follows it.
 pub(crate) fn sentences(text: &str) -> Vec<&str> {
+    sentence_spans(text)
+        .into_iter()
+        .map(|span| &text[span])
+        .collect()
+}
+
+/// The byte ranges of the [`sentences`] of `text`.
+pub(crate) fn sentence_spans(text: &str) -> Vec<Range<usize>> {
     let mut pieces = Vec::new();
     let mut start = 0;
     let mut chars = text.char_indices().peekable();
@@ -23,11 +33,11 @@ pub(crate) fn sentences(text: &str) -> Vec<&str> {
             end = j + w.len_utf8();
             chars.next();
         }
-        pieces.push(&text[start..end]);
+        pieces.push(start..end);
         start = end;
     }
     if start < text.len() {
-        pieces.push(&text[start..]);
+        pieces.push(start..text.len());
     }
     pieces
 }

@@ -27,9 +27,11 @@ impl DtypeArg {
 
 /// Summarize a text document with a local LLM, on CPU or CUDA.
 ///
-/// Documents longer than the model's context are cut into chunks on paragraph boundaries; each
-/// chunk is summarized, then the summaries are summarized (map-reduce). With no --model, the
-/// default model (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) is downloaded on first use.
+/// A long document is boiled down to its sentences that state the most names, numbers and dates;
+/// the model rewrites them a chunk of a sentence or two at a time, and the rewritten sentences
+/// with the most facts make the summary. Sentences that state a number or a name the document
+/// does not contain are dropped. With no --model, the default model (SmolLM2-135M-Instruct, Q4_1
+/// GGUF, 98 MB) is downloaded on first use.
 #[derive(Debug, Parser)]
 #[command(name = "summarize")]
 pub struct Args {
@@ -86,8 +88,9 @@ pub struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub cuda_graph: bool,
 
-    /// The most tokens of the final summary; summaries of chunks get half as many.
-    #[arg(long, default_value_t = 200)]
+    /// The most tokens of the final summary; summaries of chunks get half as many, and no more
+    /// than a chunk. A document no longer than this is summarized at once.
+    #[arg(long, default_value_t = 400)]
     pub max_new_tokens: usize,
 
     /// Sampling temperature; 0 picks the most likely token every time (reproducible output).
@@ -123,9 +126,11 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub speculate: usize,
 
-    /// The most document tokens summarized at once. Longer documents are split into chunks of at
-    /// most this size (smaller still if the model's context requires it).
-    #[arg(long, default_value_t = 1024)]
+    /// The most tokens of the document (or of its selected sentences) the model reads at a time.
+    /// Longer documents are split into chunks of at most this size (smaller still if the model's
+    /// context requires it). The default, a sentence or two, is what a small model rewrites
+    /// without dropping or mixing up facts; larger chunks lose more of them.
+    #[arg(long, default_value_t = 64)]
     pub chunk_tokens: usize,
 
     /// A document longer than this many tokens is summarized from its sentences that state the

@@ -50,6 +50,19 @@ impl Grounding {
         }
     }
 
+    /// The grounding of `part`, a part of this source: the numbers and names of an answer about
+    /// the part must be in the part, where a model that read only the part found them. A word
+    /// opening a sentence is still looked up in the whole source: it is no fact, and a part of
+    /// a few sentences lacks too many common words.
+    pub fn narrowed_to(&self, part: &str) -> Self {
+        let Grounding { numbers, words, .. } = Grounding::new(part);
+        Self {
+            numbers,
+            words,
+            lowercase_words: self.lowercase_words.clone(),
+        }
+    }
+
     /// Whether the source grounds `mention`.
     pub fn grounds(&self, mention: &Mention) -> bool {
         match mention {
@@ -145,6 +158,22 @@ mod tests {
         assert_eq!(
             names(&grounding.ungrounded("Meanwhile, it held.")),
             ["Meanwhile"]
+        );
+    }
+
+    #[test]
+    fn a_part_grounds_its_own_facts_and_the_source_its_common_words() {
+        let part = Grounding::new(SOURCE).narrowed_to("It protects 18,600 homes in Port Ellery.");
+        assert!(part.ungrounded("Port Ellery has 18,600 homes.").is_empty());
+        // In the source, but not in the part.
+        assert_eq!(names(&part.ungrounded("It cost 412 million.")), ["412"]);
+        assert_eq!(
+            names(&part.ungrounded("The town council agreed.")),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            names(&part.ungrounded("A Town Council.")),
+            ["Town", "Council"]
         );
     }
 

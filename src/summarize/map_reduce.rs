@@ -86,6 +86,8 @@ pub struct MapReduce<'t> {
     reduce: Reduce,
     ground: bool,
     grounding: Option<Grounding>,
+    /// The grounding of each chunk, while their summaries are awaited.
+    chunk_groundings: Vec<Grounding>,
     document_tokens: usize,
     selected_tokens: Option<usize>,
     chunks: usize,
@@ -117,6 +119,7 @@ impl<'t> MapReduce<'t> {
             reduce: Reduce::default(),
             ground: false,
             grounding: None,
+            chunk_groundings: Vec::new(),
             document_tokens: 0,
             selected_tokens: None,
             chunks: 0,
@@ -149,14 +152,19 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Cuts `document` (or its selected sentences) into chunks and returns the first round: the
-    /// final summary when it fits at once, the summaries of its parts otherwise.
+    /// final summary when the document fits a chunk or is no longer than the final summary may
+    /// be, the summaries of its parts otherwise.
     pub fn start(&mut self, document: &str) -> Result<Round, SummarizeError> {
         let starts = token_starts(self.tokenizer, document)?;
         self.document_tokens = starts.len();
         self.selected_tokens = None;
+        self.chunks = 1;
         self.merge_rounds = 0;
         self.dropped_sentences = 0;
         self.grounding = self.ground.then(|| Grounding::new(document));
+        if starts.len() <= self.budgets.whole {
+            return self.final_round(Task::Document(document.trim()));
+        }
         let selection: String;
         let (text, starts) = match self.selection_budget {
             Some(budget) if starts.len() > budget => {
@@ -178,6 +186,10 @@ impl<'t> MapReduce<'t> {
         if chunks.len() <= 1 {
             return self.final_round(Task::Document(text.trim()));
         }
+        self.chunk_groundings = match &self.grounding {
+            Some(grounding) => chunks.iter().map(|c| grounding.narrowed_to(c)).collect(),
+            None => Vec::new(),
+        };
         let prompts = self.prompts(chunks.into_iter().map(Task::Part))?;
         Ok(Round::Parts {
             prompts,
@@ -192,9 +204,17 @@ impl<'t> MapReduce<'t> {
     /// Empty answers are skipped (so are answers left empty by grounding). Fails when all of
     /// them are empty, or when merging would not leave fewer summaries than there are.
     pub fn next_round(&mut self, answers: &[String]) -> Result<Round, SummarizeError> {
+        // The summaries of the chunks are checked against their chunks, merged summaries against
+        // the document.
+        let chunk_groundings = std::mem::take(&mut self.chunk_groundings);
         let mut summaries = Vec::with_capacity(answers.len());
-        for answer in answers {
-            let summary = self.grounded(drop_unfinished_sentence(answer));
+        for (i, answer) in answers.iter().enumerate() {
+            let grounding = match chunk_groundings.get(i) {
+                Some(chunk) if chunk_groundings.len() == answers.len() => Some(chunk),
+                _ => self.grounding.as_ref(),
+            };
+            let (summary, dropped) = grounded(drop_unfinished_sentence(answer), grounding);
+            self.dropped_sentences += dropped;
             if !summary.is_empty() {
                 summaries.push(summary);
             }
@@ -236,7 +256,8 @@ impl<'t> MapReduce<'t> {
         if whole.is_empty() {
             return Err(SummarizeError::EmptySummary);
         }
-        let summary = self.grounded(whole);
+        let (summary, dropped) = grounded(whole, self.grounding.as_ref());
+        self.dropped_sentences += dropped;
         if summary.is_empty() {
             return Err(SummarizeError::NothingGrounded);
         }
@@ -276,18 +297,6 @@ impl<'t> MapReduce<'t> {
         self.merge_rounds
     }
 
-    /// `text`, trimmed, without its ungrounded sentences when grounding is on.
-    fn grounded(&mut self, text: &str) -> String {
-        match &self.grounding {
-            Some(grounding) => {
-                let (kept, dropped) = grounding.keep_grounded(text);
-                self.dropped_sentences += dropped;
-                kept.trim().to_string()
-            }
-            None => text.trim().to_string(),
-        }
-    }
-
     fn final_round(&self, task: Task) -> Result<Round, SummarizeError> {
         Ok(Round::Final {
             prompt: encode_prompt(self.tokenizer, &self.chat, task)?,
@@ -302,6 +311,17 @@ impl<'t> MapReduce<'t> {
         tasks
             .map(|task| encode_prompt(self.tokenizer, &self.chat, task))
             .collect()
+    }
+}
+
+/// `text`, trimmed, without the sentences `grounding` does not ground, and how many it dropped.
+fn grounded(text: &str, grounding: Option<&Grounding>) -> (String, usize) {
+    match grounding {
+        Some(grounding) => {
+            let (kept, dropped) = grounding.keep_grounded(text);
+            (kept.trim().to_string(), dropped)
+        }
+        None => (text.trim().to_string(), 0),
     }
 }
 
@@ -388,7 +408,8 @@ mod tests {
         let part_prompt = prompt_tokens(&tokenizer, Task::Part(&two_paragraphs));
         assert_eq!(prompts.len(), 5);
         assert!(prompts.iter().all(|prompt| prompt.len() == part_prompt));
-        assert_eq!(max_new_tokens, 100);
+        // Half the final limit, but no more than a chunk.
+        assert_eq!(max_new_tokens, 64);
         assert_eq!((plan.document_tokens(), plan.chunks()), (300, 5));
 
         // Unfinished sentences and empty answers do not reach the merge.
@@ -424,21 +445,21 @@ mod tests {
             panic!("expected the summaries of the parts");
         };
         assert_eq!(prompts.len(), 5);
-        // A merge reads up to two 100-token summaries (232 tokens), more than a chunk: five
-        // summaries go in three groups.
+        // A merge reads up to two 64-token summaries (160 tokens), more than a chunk: five
+        // summaries of 70 tokens go in three groups.
         let Round::Merge {
             round,
             prompts,
             max_new_tokens,
-        } = plan.next_round(&paragraphs(5, 100)).unwrap()
+        } = plan.next_round(&paragraphs(5, 70)).unwrap()
         else {
             panic!("expected a merge round");
         };
-        let two_summaries = paragraphs(2, 100).join("\n\n");
+        let two_summaries = paragraphs(2, 70).join("\n\n");
         let merge_prompt = prompt_tokens(&tokenizer, Task::Summaries(&two_summaries));
         let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        assert_eq!(lengths, [merge_prompt, merge_prompt, merge_prompt - 100]);
-        assert_eq!((round, max_new_tokens), (1, 100));
+        assert_eq!(lengths, [merge_prompt, merge_prompt, merge_prompt - 70]);
+        assert_eq!((round, max_new_tokens), (1, 64));
         assert_eq!(plan.merge_rounds(), 1);
 
         let answers = ["One.", "Two.", "Three."].map(String::from);
@@ -489,5 +510,127 @@ mod tests {
                 largest: (512 - overhead - 64) / 2,
             }
         );
+    }
+
+    /// A sentence of `words` words in all, stating `fact` (a number or a name) at its end.
+    fn fact_sentence(words: usize, fact: &str) -> String {
+        format!("{} {fact}.", vec!["w"; words - 1].join(" "))
+    }
+
+    #[test]
+    fn a_long_document_is_summarized_from_its_sentences_with_facts() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 50)
+            .unwrap()
+            .with_selection(Some(100));
+        // 20 sentences of 9 tokens without facts, and 3 of 10 tokens that state one.
+        let mut paragraphs = paragraphs(20, 9);
+        paragraphs.insert(3, fact_sentence(10, "1987"));
+        paragraphs.insert(12, fact_sentence(10, "Ashdown"));
+        paragraphs.insert(20, fact_sentence(10, "£412"));
+        let round = plan.start(&paragraphs.join("\n\n")).unwrap();
+        assert_eq!(plan.document_tokens(), 210);
+        assert_eq!(plan.selected_tokens(), Some(30));
+        // The three sentences with facts, in document order, fit one chunk.
+        let selected = [
+            fact_sentence(10, "1987"),
+            fact_sentence(10, "Ashdown"),
+            fact_sentence(10, "£412"),
+        ]
+        .join("\n\n");
+        assert_eq!(
+            round,
+            Round::Final {
+                prompt: encode_prompt(
+                    &tokenizer,
+                    &ChatTemplate::chatml(),
+                    Task::Document(&selected)
+                )
+                .unwrap(),
+                max_new_tokens: 50,
+            }
+        );
+        assert_eq!(plan.chunks(), 1);
+    }
+
+    #[test]
+    fn carrying_facts_keeps_the_summaries_sentences_with_the_most_facts() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 20)
+            .unwrap()
+            .with_reduce(Reduce::CarryFacts);
+        plan.start(&paragraphs(10, 30).join("\n\n")).unwrap();
+        let answers = [
+            format!("{} {}", fact_sentence(8, "Ashdown"), paragraph(8)),
+            fact_sentence(12, "1987"),
+            format!(
+                "{} {}",
+                fact_sentence(8, "2019"),
+                fact_sentence(8, "Ashdown")
+            ),
+        ];
+        // Room for two of the three 8-token sentences with a new fact, kept in order.
+        assert_eq!(
+            plan.next_round(&answers).unwrap(),
+            Round::Done {
+                summary: format!(
+                    "{} {}",
+                    fact_sentence(8, "Ashdown"),
+                    fact_sentence(8, "2019")
+                ),
+            }
+        );
+        // Summaries without facts are summarized by the model.
+        plan.start(&paragraphs(10, 30).join("\n\n")).unwrap();
+        assert!(matches!(
+            plan.next_round(&paragraphs(2, 8)).unwrap(),
+            Round::Final { .. }
+        ));
+    }
+
+    #[test]
+    fn grounding_drops_what_the_text_read_does_not_state() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 40, 50)
+            .unwrap()
+            .with_grounding(true);
+        // Three chunks: one states 1987, one 2019, one neither. The filler word is "w".
+        let document = [
+            fact_sentence(30, "1987"),
+            fact_sentence(30, "2019"),
+            paragraph(30),
+        ]
+        .join("\n\n");
+        let Round::Parts { prompts, .. } = plan.start(&document).unwrap() else {
+            panic!("expected the summaries of the parts");
+        };
+        assert_eq!(prompts.len(), 3);
+        // 2019 is in the document, but not in the first chunk, whose summary the first answer is.
+        let answers = [
+            "w in 1987. w in 2019.".to_string(),
+            "w in 2019.".to_string(),
+            "w in 1999.".to_string(),
+        ];
+        let Round::Final { prompt, .. } = plan.next_round(&answers).unwrap() else {
+            panic!("expected the final summary");
+        };
+        let kept = "w in 1987.\n\nw in 2019.";
+        assert_eq!(
+            prompt,
+            encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Summaries(kept)).unwrap()
+        );
+        assert_eq!(plan.dropped_sentences(), 2);
+        // The final summary is checked against the whole document.
+        assert_eq!(
+            plan.finish("W in 1987. W in 2024. W in 2019.").unwrap(),
+            "W in 1987. W in 2019."
+        );
+        assert_eq!(plan.dropped_sentences(), 3);
+        // A name the document lacks.
+        assert_eq!(
+            plan.finish("Only Zed.").unwrap_err(),
+            SummarizeError::NothingGrounded
+        );
+        assert!(plan.grounding().is_some());
     }
 }

@@ -9,7 +9,7 @@ const SYSTEM: &str = "You are a helpful assistant who writes concise, accurate s
 
 /// Asked for a plain summary, small models write about the text ("the report discusses...") and
 /// drop its particulars; asked to keep them, they copy more of the sentences that state them.
-const KEEP_FACTS: &str = "Keep the names, numbers and dates it gives.";
+const KEEP_FACTS: &str = "Keep its names, numbers and dates.";
 
 /// What a generation is asked to do. The instruction follows the text: small models lose an
 /// instruction placed before a long text, and then continue or repeat the text instead.
@@ -31,10 +31,11 @@ impl Task<'_> {
             Task::Document(text) | Task::Summaries(text) => {
                 format!("{text}\n\nSummarize the text above in a short paragraph. {KEEP_FACTS}")
             }
+            // Parts are small (a few sentences): asked for one short sentence, the model copies
+            // the one that states the most, often tightened; asked for more, it also copies those
+            // that state less.
             Task::Part(text) => {
-                format!(
-                    "{text}\n\nSummarize the text above in two or three sentences. {KEEP_FACTS}"
-                )
+                format!("{text}\n\nRewrite the text above as one short sentence. {KEEP_FACTS}")
             }
         }
     }
@@ -75,7 +76,7 @@ mod tests {
     fn the_instruction_follows_the_text() {
         let part = Task::Part("Chunk text.").user_message();
         assert!(part.starts_with("Chunk text.\n\n"));
-        assert!(part.ends_with(&format!("in two or three sentences. {KEEP_FACTS}")));
+        assert!(part.ends_with(&format!("as one short sentence. {KEEP_FACTS}")));
         for task in [Task::Document("Text."), Task::Summaries("Text.")] {
             let message = task.user_message();
             assert!(message.starts_with("Text.\n\n"));

@@ -20,18 +20,47 @@ const STATEMENT_ENDS: [char; 5] = ['.', '!', '?', '"', ')'];
 /// the figures a reader needs.
 const MIN_SALIENT_INTEGER: u64 = 20;
 
+/// One fact a sentence states, by the words that identify it: a number, or a name of one or
+/// more capitalized words in a row ("Marguerite Ashdown", "Tarrow Estuary Authority"). A name
+/// of several words is one fact, as much as a one-word name is.
+type Fact = Vec<String>;
+
 /// The facts a sentence states, as selection counts them: numbers other than small integers, and
-/// capitalized words inside the sentence (any word opening it is capitalized).
-fn facts_of(sentence: &str) -> HashSet<Mention> {
-    mentions(sentence)
-        .into_iter()
-        .filter(|mention| match mention {
-            Mention::Number(number) => number
-                .parse::<u64>()
-                .map_or(true, |integer| integer >= MIN_SALIENT_INTEGER),
-            Mention::Name { sentence_start, .. } => !sentence_start,
-        })
-        .collect()
+/// names inside the sentence (any word opening it is capitalized).
+fn facts_of(sentence: &str) -> Vec<Fact> {
+    let mut facts = Vec::new();
+    let mut name: Fact = Vec::new();
+    for (position, word) in sentence.split_whitespace().enumerate() {
+        let mut capitalized = false;
+        for mention in mentions(word) {
+            match mention {
+                Mention::Number(number) => {
+                    let small = number
+                        .parse::<u64>()
+                        .is_ok_and(|integer| integer < MIN_SALIENT_INTEGER);
+                    if !small {
+                        facts.push(vec![number]);
+                    }
+                }
+                Mention::Name { word, .. } => {
+                    capitalized = true;
+                    if position > 0 {
+                        name.push(word);
+                    }
+                }
+            }
+        }
+        // Lowercase words and punctuation (a comma between two names) end a name.
+        let ends_name =
+            !capitalized || word.ends_with(|c: char| c.is_ascii_punctuation() && c != '\'');
+        if ends_name && !name.is_empty() {
+            facts.push(std::mem::take(&mut name));
+        }
+    }
+    if !name.is_empty() {
+        facts.push(name);
+    }
+    facts
 }
 
 /// Picks sentences of `text` whose tokens add up to at most `budget`, and returns them trimmed,
@@ -51,7 +80,7 @@ pub(crate) fn select_salient_sentences<'t>(
         position: usize,
         text: &'t str,
         tokens: usize,
-        facts: HashSet<Mention>,
+        facts: Vec<Fact>,
     }
     let tokens_in = |span: &std::ops::Range<usize>| {
         token_starts.partition_point(|&start| start < span.end)
@@ -73,12 +102,17 @@ pub(crate) fn select_salient_sentences<'t>(
         })
         .collect();
 
-    let mut covered: HashSet<Mention> = HashSet::new();
+    // The words of the facts stated so far; a fact is new while any of its words is not.
+    let mut covered: HashSet<String> = HashSet::new();
     let mut picked: Vec<(usize, &str)> = Vec::new();
     let mut used = 0;
     loop {
         let gain = |candidate: &Candidate| {
-            let new_facts = candidate.facts.difference(&covered).count();
+            let new_facts = candidate
+                .facts
+                .iter()
+                .filter(|fact| fact.iter().any(|word| !covered.contains(word)))
+                .count();
             new_facts as f64 / candidate.tokens as f64
         };
         let best = candidates
@@ -94,7 +128,7 @@ pub(crate) fn select_salient_sentences<'t>(
         };
         let candidate = candidates.swap_remove(at);
         used += candidate.tokens;
-        covered.extend(candidate.facts);
+        covered.extend(candidate.facts.into_iter().flatten());
         picked.push((candidate.position, candidate.text));
     }
     picked.sort_unstable_by_key(|&(position, _)| position);

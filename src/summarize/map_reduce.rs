@@ -3,6 +3,7 @@
 //! [`MapReduce`] plans the generations and reduces their answers; the caller runs the model. It
 //! hands out [`Round`]s of prompts and takes back the answers, until the final summary.
 
+use std::collections::HashSet;
 use std::fmt;
 
 use tokenizers::Tokenizer;
@@ -10,7 +11,8 @@ use tokenizers::Tokenizer;
 use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::prompts::{encode_prompt, prompt_overhead, Task};
-use super::salience::select_salient_sentences;
+use super::quotation_frames::unframe_quotations;
+use super::salience::{select_salient_sentences, topic_words};
 use super::whole_sentences::drop_unfinished_sentence;
 use super::{ChatTemplate, Grounding, SummarizeError};
 
@@ -20,9 +22,10 @@ pub enum Reduce {
     /// The model summarizes the summaries, in as many rounds as they need to fit one prompt.
     #[default]
     Summarize,
-    /// The sentences of the summaries that state the most names, numbers and dates, up to the
-    /// final summary's limit, in document order ([`Round::Done`]): no further generation, so no
-    /// fact is summarized away. Where no sentence states any, the model summarizes them.
+    /// The sentences of the summaries that state the most names, numbers and dates (then, if
+    /// room is left, the most words the summaries recur on), up to the final summary's limit,
+    /// in document order ([`Round::Done`]): no further generation, so no fact is summarized
+    /// away. Where no sentence qualifies, the model summarizes them.
     CarryFacts,
 }
 
@@ -93,6 +96,8 @@ pub struct MapReduce<'t> {
     chunks: usize,
     merge_rounds: usize,
     dropped_sentences: usize,
+    /// The topic words of the document being summarized.
+    topic: HashSet<String>,
 }
 
 impl<'t> MapReduce<'t> {
@@ -125,6 +130,7 @@ impl<'t> MapReduce<'t> {
             chunks: 0,
             merge_rounds: 0,
             dropped_sentences: 0,
+            topic: HashSet::new(),
         })
     }
 
@@ -162,13 +168,16 @@ impl<'t> MapReduce<'t> {
         self.merge_rounds = 0;
         self.dropped_sentences = 0;
         self.grounding = self.ground.then(|| Grounding::new(document));
+        // The document's, not the summaries': their own recurring words include the model's
+        // habits ("the text states").
+        self.topic = topic_words(document);
         if starts.len() <= self.budgets.whole {
             return self.final_round(Task::Document(document.trim()));
         }
         let selection: String;
         let (text, starts) = match self.selection_budget {
             Some(budget) if starts.len() > budget => {
-                let sentences = select_salient_sentences(document, &starts, budget);
+                let sentences = select_salient_sentences(document, &starts, budget, &self.topic);
                 if sentences.is_empty() {
                     (document, starts)
                 } else {
@@ -213,7 +222,8 @@ impl<'t> MapReduce<'t> {
                 Some(chunk) if chunk_groundings.len() == answers.len() => Some(chunk),
                 _ => self.grounding.as_ref(),
             };
-            let (summary, dropped) = grounded(drop_unfinished_sentence(answer), grounding);
+            let answer = unframe_quotations(answer);
+            let (summary, dropped) = grounded(drop_unfinished_sentence(&answer), grounding);
             self.dropped_sentences += dropped;
             if !summary.is_empty() {
                 summaries.push(summary);
@@ -225,7 +235,8 @@ impl<'t> MapReduce<'t> {
         let joined = summaries.join("\n\n");
         let starts = token_starts(self.tokenizer, &joined)?;
         if self.reduce == Reduce::CarryFacts {
-            let picked = select_salient_sentences(&joined, &starts, self.budgets.final_summary);
+            let picked =
+                select_salient_sentences(&joined, &starts, self.budgets.final_summary, &self.topic);
             if !picked.is_empty() {
                 return Ok(Round::Done {
                     summary: picked.join(" "),

@@ -39,6 +39,7 @@ mod grounding;
 mod map_reduce;
 mod mentions;
 mod prompts;
+mod quotation_frames;
 mod salience;
 mod sentences;
 #[cfg(test)]

@@ -3,10 +3,11 @@
 //! can read quickly and copy faithfully; after it, it keeps the facts of the summaries of the
 //! parts instead of summarizing them away.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 
 use super::mentions::{mentions, Mention};
-use super::sentences::sentence_spans;
+use super::sentences::{sentence_spans, sentences};
 
 /// Fragments shorter than this many words (list markers, captions) state no fact worth selecting,
 /// even when they carry a number.
@@ -63,76 +64,168 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
     facts
 }
 
+/// A word is a topic word of a text when it recurs in at least this many of its sentences...
+const MIN_TOPIC_SENTENCES: usize = 2;
+
+/// ...but in no more than this share of them, which common words exceed.
+const MAX_TOPIC_SHARE: f64 = 0.25;
+
+/// Words shorter than this are rarely what a text is about.
+const MIN_TOPIC_WORD_LEN: usize = 4;
+
 /// Picks sentences of `text` whose tokens add up to at most `budget`, and returns them trimmed,
 /// in the order of the text. `token_starts` holds the byte offset where each token of `text`
-/// starts (see [`token_starts`](super::chunking::token_starts)).
+/// starts (see [`token_starts`](super::chunking::token_starts)); `topic` holds the topic words
+/// of the document `text` is or summarizes (see [`topic_words`]).
 ///
 /// Each pick is the sentence that adds the most facts not stated by the sentences picked before
-/// it, per token; sentences that add none are never picked. The selection thus covers as many
-/// distinct names, numbers and dates as the budget holds, each as briefly as the text states
-/// it, without repeating them.
+/// it, per token, so that the selection covers as many distinct names, numbers and dates as the
+/// budget holds, each as briefly as the text states it, without repeating them. Once no sentence
+/// adds a fact, the rest of the budget goes the same way to the sentences that add the most
+/// topic words: what a document with few facts is about.
 pub(crate) fn select_salient_sentences<'t>(
     text: &'t str,
     token_starts: &[usize],
     budget: usize,
+    topic: &HashSet<String>,
 ) -> Vec<&'t str> {
-    struct Candidate<'t> {
-        position: usize,
-        text: &'t str,
-        tokens: usize,
-        facts: Vec<Fact>,
-    }
-    let tokens_in = |span: &std::ops::Range<usize>| {
+    let tokens_in = |span: &Range<usize>| {
         token_starts.partition_point(|&start| start < span.end)
             - token_starts.partition_point(|&start| start < span.start)
     };
     let mut candidates: Vec<Candidate> = sentence_spans(text)
         .into_iter()
         .enumerate()
-        .map(|(position, span)| Candidate {
-            position,
-            text: text[span.clone()].trim(),
-            tokens: tokens_in(&span).max(1),
-            facts: facts_of(&text[span]),
+        .map(|(position, span)| {
+            let sentence = &text[span.clone()];
+            Candidate {
+                position,
+                text: sentence.trim(),
+                tokens: tokens_in(&span).max(1),
+                facts: facts_of(sentence),
+                topic_words: words_of(sentence)
+                    .filter(|word| topic.contains(word))
+                    .collect(),
+            }
         })
         .filter(|candidate| {
             candidate.text.ends_with(STATEMENT_ENDS)
                 && candidate.text.split_whitespace().count() >= MIN_SENTENCE_WORDS
-                && !candidate.facts.is_empty()
         })
         .collect();
 
-    // The words of the facts stated so far; a fact is new while any of its words is not.
-    let mut covered: HashSet<String> = HashSet::new();
-    let mut picked: Vec<(usize, &str)> = Vec::new();
-    let mut used = 0;
-    loop {
-        let gain = |candidate: &Candidate| {
-            let new_facts = candidate
-                .facts
-                .iter()
-                .filter(|fact| fact.iter().any(|word| !covered.contains(word)))
-                .count();
-            new_facts as f64 / candidate.tokens as f64
-        };
-        let best = candidates
+    let mut selection = Selection {
+        budget,
+        used: 0,
+        picked: Vec::new(),
+    };
+    // A fact is new while any of its words is not covered.
+    selection.pick_greedily(&mut candidates, HashSet::new(), |candidate, covered| {
+        let new = |fact: &&Fact| fact.iter().any(|word| !covered.contains(word));
+        let new_facts = candidate.facts.iter().filter(new).count();
+        let words = candidate
+            .facts
             .iter()
-            .enumerate()
-            .filter(|(_, candidate)| used + candidate.tokens <= budget)
-            .map(|(at, candidate)| (at, gain(candidate), candidate.position))
-            .filter(|&(_, gain, _)| gain > 0.0)
-            // On a tie, the earlier sentence.
-            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.2.cmp(&a.2)));
-        let Some((at, _, _)) = best else {
-            break;
-        };
-        let candidate = candidates.swap_remove(at);
-        used += candidate.tokens;
-        covered.extend(candidate.facts.into_iter().flatten());
-        picked.push((candidate.position, candidate.text));
-    }
+            .filter(new)
+            .flatten()
+            .cloned()
+            .collect();
+        (new_facts, words)
+    });
+    let said: HashSet<String> = selection
+        .picked
+        .iter()
+        .flat_map(|&(_, sentence)| words_of(sentence))
+        .filter(|word| topic.contains(word))
+        .collect();
+    selection.pick_greedily(&mut candidates, said, |candidate, covered| {
+        let words: Vec<String> = candidate
+            .topic_words
+            .iter()
+            .filter(|word| !covered.contains(*word))
+            .cloned()
+            .collect();
+        (words.len(), words)
+    });
+    let mut picked = selection.picked;
     picked.sort_unstable_by_key(|&(position, _)| position);
     picked.into_iter().map(|(_, sentence)| sentence).collect()
+}
+
+/// A sentence that may be selected.
+struct Candidate<'t> {
+    position: usize,
+    text: &'t str,
+    tokens: usize,
+    facts: Vec<Fact>,
+    topic_words: HashSet<String>,
+}
+
+/// The sentences picked so far, by their position in the text.
+struct Selection<'t> {
+    budget: usize,
+    used: usize,
+    picked: Vec<(usize, &'t str)>,
+}
+
+impl<'t> Selection<'t> {
+    /// Picks, while the budget allows, the candidate that covers the most new items per token;
+    /// `new_items` says how many items a candidate would add to `covered`, and which.
+    fn pick_greedily(
+        &mut self,
+        candidates: &mut Vec<Candidate<'t>>,
+        mut covered: HashSet<String>,
+        new_items: impl Fn(&Candidate, &HashSet<String>) -> (usize, Vec<String>),
+    ) {
+        loop {
+            let best = candidates
+                .iter()
+                .enumerate()
+                .filter(|(_, candidate)| self.used + candidate.tokens <= self.budget)
+                .map(|(at, candidate)| {
+                    let (new, _) = new_items(candidate, &covered);
+                    (at, new as f64 / candidate.tokens as f64, candidate.position)
+                })
+                .filter(|&(_, gain, _)| gain > 0.0)
+                // On a tie, the earlier sentence.
+                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.2.cmp(&a.2)));
+            let Some((at, _, _)) = best else {
+                return;
+            };
+            let candidate = candidates.swap_remove(at);
+            let (_, items) = new_items(&candidate, &covered);
+            covered.extend(items);
+            self.used += candidate.tokens;
+            self.picked.push((candidate.position, candidate.text));
+        }
+    }
+}
+
+/// The words of `text` that may be topic words, lowercase.
+fn words_of(text: &str) -> impl Iterator<Item = String> + '_ {
+    text.split(|c: char| !c.is_alphabetic())
+        .filter(|word| word.chars().count() >= MIN_TOPIC_WORD_LEN)
+        .map(str::to_lowercase)
+}
+
+/// The topic words of a document: words that recur in a few of its sentences, but not in most,
+/// as common words do. Lowercase.
+pub(crate) fn topic_words(document: &str) -> HashSet<String> {
+    let mut sentence_counts: HashMap<String, usize> = HashMap::new();
+    let mut total = 0;
+    for sentence in sentences(document) {
+        total += 1;
+        let words: HashSet<String> = words_of(sentence).collect();
+        for word in words {
+            *sentence_counts.entry(word).or_insert(0) += 1;
+        }
+    }
+    let most = (MAX_TOPIC_SHARE * total as f64).max(MIN_TOPIC_SENTENCES as f64);
+    sentence_counts
+        .into_iter()
+        .filter(|&(_, count)| count >= MIN_TOPIC_SENTENCES && count as f64 <= most)
+        .map(|(word, _)| word)
+        .collect()
 }
 
 #[cfg(test)]
@@ -153,7 +246,7 @@ mod tests {
     }
 
     fn select(text: &str, budget: usize) -> Vec<&str> {
-        select_salient_sentences(text, &word_starts(text), budget)
+        select_salient_sentences(text, &word_starts(text), budget, &topic_words(text))
     }
 
     #[test]

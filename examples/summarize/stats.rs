@@ -75,18 +75,11 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     )
 }
 
-/// The summary and the statistics as one JSON object.
+/// The summary and the statistics as one JSON object, with the score on the planted facts when
+/// a list was given.
 pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
     let t = &summary.timing;
-    let facts = info.facts.as_ref().map(|score| {
-        json!({
-            "planted": score.planted,
-            "recalled": score.recalled,
-            "missed": score.missed,
-            "invented": score.invented,
-        })
-    });
-    json!({
+    let mut report = json!({
         "summary": summary.text,
         "stats": {
             "document_tokens": summary.document_tokens,
@@ -112,6 +105,14 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "model": info.model,
             "elapsed_seconds": info.elapsed_secs,
         },
-        "facts": facts,
-    })
+    });
+    if let Some(score) = &info.facts {
+        report["facts"] = json!({
+            "planted": score.planted,
+            "recalled": score.recalled,
+            "missed": score.missed,
+            "invented": score.invented,
+        });
+    }
+    report
 }

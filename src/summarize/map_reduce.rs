@@ -12,7 +12,8 @@ use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::prompts::{encode_prompt, prompt_overhead, Task};
 use super::quotation_frames::unframe_quotations;
-use super::salience::{select_salient_sentences, topic_words};
+use super::salience::select_salient_sentences;
+use super::topic_words::topic_words;
 use super::whole_sentences::drop_unfinished_sentence;
 use super::{ChatTemplate, Grounding, SummarizeError};
 
@@ -23,7 +24,7 @@ pub enum Reduce {
     #[default]
     Summarize,
     /// The sentences of the summaries that state the most names, numbers and dates (then, if
-    /// room is left, the most words the summaries recur on), up to the final summary's limit,
+    /// room is left, the most of the document's topic words), up to the final summary's limit,
     /// in document order ([`Round::Done`]): no further generation, so no fact is summarized
     /// away. Where no sentence qualifies, the model summarizes them.
     CarryFacts,
@@ -67,10 +68,10 @@ pub enum Round {
     },
 }
 
-/// Plans the summary of a document of any length. One that fits a chunk is summarized at once; a
-/// longer one is cut into chunks on paragraph and sentence boundaries, each chunk is summarized,
-/// then the summaries are reduced to one: by default summarized, in as many rounds as they need
-/// to fit one prompt.
+/// Plans the summary of a document of any length. One that fits a chunk, or is no longer than
+/// the final summary may be, is summarized at once; a longer one is cut into chunks on paragraph
+/// and sentence boundaries, each chunk is summarized, then the summaries are reduced to one: by
+/// default summarized, in as many rounds as they need to fit one prompt.
 ///
 /// Intermediate summaries get half the final summary's limit (at least 16 tokens), and every
 /// answer is cut back to its last whole sentence.
@@ -135,9 +136,10 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Summarizes a document of more than `tokens` tokens from its sentences that state the most
-    /// names, numbers and dates, up to `tokens` of them, in document order, instead of from all
-    /// of it. A document without such sentences is summarized whole. `None` (the default)
-    /// summarizes every document whole.
+    /// names, numbers and dates (then, if room is left, the most of its topic words), up to
+    /// `tokens` of its tokens, in document order, one paragraph each, instead of from all of it.
+    /// A document without such sentences is summarized whole. `None` (the default) summarizes
+    /// every document whole.
     pub fn with_selection(mut self, tokens: Option<usize>) -> Self {
         self.selection_budget = tokens;
         self
@@ -287,7 +289,8 @@ impl<'t> MapReduce<'t> {
         self.document_tokens
     }
 
-    /// How many tokens the selected sentences have, when the document was summarized from them.
+    /// How many tokens the selected sentences have, paragraph breaks between them included, when
+    /// the document was summarized from them.
     pub fn selected_tokens(&self) -> Option<usize> {
         self.selected_tokens
     }

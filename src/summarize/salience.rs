@@ -3,11 +3,12 @@
 //! can read quickly and copy faithfully; after it, it keeps the facts of the summaries of the
 //! parts instead of summarizing them away.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::ops::Range;
 
 use super::mentions::{mentions, Mention};
-use super::sentences::{sentence_spans, sentences};
+use super::sentences::sentence_spans;
+use super::topic_words::words_of;
 
 /// Fragments shorter than this many words (list markers, captions) state no fact worth selecting,
 /// even when they carry a number.
@@ -64,19 +65,10 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
     facts
 }
 
-/// A word is a topic word of a text when it recurs in at least this many of its sentences...
-const MIN_TOPIC_SENTENCES: usize = 2;
-
-/// ...but in no more than this share of them, which common words exceed.
-const MAX_TOPIC_SHARE: f64 = 0.25;
-
-/// Words shorter than this are rarely what a text is about.
-const MIN_TOPIC_WORD_LEN: usize = 4;
-
 /// Picks sentences of `text` whose tokens add up to at most `budget`, and returns them trimmed,
 /// in the order of the text. `token_starts` holds the byte offset where each token of `text`
 /// starts (see [`token_starts`](super::chunking::token_starts)); `topic` holds the topic words
-/// of the document `text` is or summarizes (see [`topic_words`]).
+/// of the document `text` is or summarizes (see [`topic_words`](super::topic_words)).
 ///
 /// Each pick is the sentence that adds the most facts not stated by the sentences picked before
 /// it, per token, so that the selection covers as many distinct names, numbers and dates as the
@@ -119,34 +111,29 @@ pub(crate) fn select_salient_sentences<'t>(
         used: 0,
         picked: Vec::new(),
     };
-    // A fact is new while any of its words is not covered.
-    selection.pick_greedily(&mut candidates, HashSet::new(), |candidate, covered| {
-        let new = |fact: &&Fact| fact.iter().any(|word| !covered.contains(word));
-        let new_facts = candidate.facts.iter().filter(new).count();
-        let words = candidate
-            .facts
-            .iter()
-            .filter(new)
-            .flatten()
-            .cloned()
-            .collect();
-        (new_facts, words)
-    });
-    let said: HashSet<String> = selection
+    // Facts first. A fact is new while any of its words is not covered yet.
+    selection.pick_greedily(
+        &mut candidates,
+        HashSet::new(),
+        |candidate, covered| {
+            let new = |fact: &&Fact| fact.iter().any(|word| !covered.contains(word));
+            candidate.facts.iter().filter(new).count()
+        },
+        |candidate| candidate.facts.iter().flatten().cloned().collect(),
+    );
+    // Then topic words, those of the sentences with facts already covered.
+    let said = selection
         .picked
         .iter()
         .flat_map(|&(_, sentence)| words_of(sentence))
         .filter(|word| topic.contains(word))
         .collect();
-    selection.pick_greedily(&mut candidates, said, |candidate, covered| {
-        let words: Vec<String> = candidate
-            .topic_words
-            .iter()
-            .filter(|word| !covered.contains(*word))
-            .cloned()
-            .collect();
-        (words.len(), words)
-    });
+    selection.pick_greedily(
+        &mut candidates,
+        said,
+        |candidate, covered| candidate.topic_words.difference(covered).count(),
+        |candidate| candidate.topic_words.iter().cloned().collect(),
+    );
     let mut picked = selection.picked;
     picked.sort_unstable_by_key(|&(position, _)| position);
     picked.into_iter().map(|(_, sentence)| sentence).collect()
@@ -169,13 +156,14 @@ struct Selection<'t> {
 }
 
 impl<'t> Selection<'t> {
-    /// Picks, while the budget allows, the candidate that covers the most new items per token;
-    /// `new_items` says how many items a candidate would add to `covered`, and which.
+    /// Picks, while the budget allows, the candidate that adds the most new items to `covered`
+    /// per token: `new_items` counts those a candidate would add, `items` lists all of its own.
     fn pick_greedily(
         &mut self,
         candidates: &mut Vec<Candidate<'t>>,
         mut covered: HashSet<String>,
-        new_items: impl Fn(&Candidate, &HashSet<String>) -> (usize, Vec<String>),
+        new_items: impl Fn(&Candidate, &HashSet<String>) -> usize,
+        items: impl Fn(&Candidate) -> Vec<String>,
     ) {
         loop {
             let best = candidates
@@ -183,8 +171,8 @@ impl<'t> Selection<'t> {
                 .enumerate()
                 .filter(|(_, candidate)| self.used + candidate.tokens <= self.budget)
                 .map(|(at, candidate)| {
-                    let (new, _) = new_items(candidate, &covered);
-                    (at, new as f64 / candidate.tokens as f64, candidate.position)
+                    let gain = new_items(candidate, &covered) as f64 / candidate.tokens as f64;
+                    (at, gain, candidate.position)
                 })
                 .filter(|&(_, gain, _)| gain > 0.0)
                 // On a tie, the earlier sentence.
@@ -193,44 +181,17 @@ impl<'t> Selection<'t> {
                 return;
             };
             let candidate = candidates.swap_remove(at);
-            let (_, items) = new_items(&candidate, &covered);
-            covered.extend(items);
+            covered.extend(items(&candidate));
             self.used += candidate.tokens;
             self.picked.push((candidate.position, candidate.text));
         }
     }
 }
 
-/// The words of `text` that may be topic words, lowercase.
-fn words_of(text: &str) -> impl Iterator<Item = String> + '_ {
-    text.split(|c: char| !c.is_alphabetic())
-        .filter(|word| word.chars().count() >= MIN_TOPIC_WORD_LEN)
-        .map(str::to_lowercase)
-}
-
-/// The topic words of a document: words that recur in a few of its sentences, but not in most,
-/// as common words do. Lowercase.
-pub(crate) fn topic_words(document: &str) -> HashSet<String> {
-    let mut sentence_counts: HashMap<String, usize> = HashMap::new();
-    let mut total = 0;
-    for sentence in sentences(document) {
-        total += 1;
-        let words: HashSet<String> = words_of(sentence).collect();
-        for word in words {
-            *sentence_counts.entry(word).or_insert(0) += 1;
-        }
-    }
-    let most = (MAX_TOPIC_SHARE * total as f64).max(MIN_TOPIC_SENTENCES as f64);
-    sentence_counts
-        .into_iter()
-        .filter(|&(_, count)| count >= MIN_TOPIC_SENTENCES && count as f64 <= most)
-        .map(|(word, _)| word)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summarize::topic_words::topic_words;
 
     /// One token per run of non-whitespace.
     fn word_starts(text: &str) -> Vec<usize> {

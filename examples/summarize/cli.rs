@@ -30,7 +30,8 @@ impl DtypeArg {
 /// A long document is boiled down to its sentences that state the most names, numbers and dates;
 /// the model rewrites them a chunk of a sentence or two at a time, and the rewritten sentences
 /// with the most facts make the summary. Sentences that state a number or a name the document
-/// does not contain are dropped. With no --model, the default model (SmolLM2-135M-Instruct, Q4_1
+/// does not contain are dropped, and those that pin a name or number to the wrong thing give way
+/// to the document's own sentence. With no --model, the default model (SmolLM2-135M-Instruct, Q4_1
 /// GGUF, 98 MB) is downloaded on first use.
 #[derive(Debug, Parser)]
 #[command(name = "summarize")]
@@ -144,8 +145,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ReduceArg::CarryFacts)]
     pub reduce: ReduceArg,
 
-    /// Keep the sentences that state a number or a name the document does not contain; by
-    /// default they are dropped from every answer.
+    /// Keep the answers as written: by default a sentence that states a number or a name the
+    /// document does not contain is dropped, and one that attributes a name or number
+    /// differently from the document is replaced by the document's sentence about it.
     #[arg(long)]
     pub keep_ungrounded: bool,
 

@@ -27,6 +27,9 @@ pub struct Summary {
     /// Sentences of the answers dropped for stating a number or a name the document does not
     /// contain.
     pub dropped_sentences: usize,
+    /// Sentences of the answers replaced by the document's own sentence about their names and
+    /// numbers, for attributing them to the wrong things.
+    pub replaced_sentences: usize,
     pub generations: usize,
     pub timing: Timing,
 }
@@ -132,6 +135,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
             chunks: plan.chunks(),
             extra_rounds: plan.merge_rounds(),
             dropped_sentences: plan.dropped_sentences(),
+            replaced_sentences: plan.replaced_sentences(),
             generations: self.generations,
             timing: self.timing,
         })

@@ -124,7 +124,7 @@ impl StreamToStdout<'_> {
     /// summary.
     fn print(&mut self, text: &str) -> Result<()> {
         let grounded = match self.grounding {
-            Some(grounding) => grounding.keep_grounded(text).0,
+            Some(grounding) => grounding.keep_grounded(text).text,
             None => text.to_string(),
         };
         let shown = if self.printed {

@@ -87,6 +87,7 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "chunks": summary.chunks,
             "extra_merge_rounds": summary.extra_rounds,
             "dropped_sentences": summary.dropped_sentences,
+            "replaced_sentences": summary.replaced_sentences,
             "generations": summary.generations,
             "prefill_tokens": t.prefill_tokens,
             "prefill_seconds": t.prefill_secs,

@@ -1,10 +1,25 @@
 //! Checking a summary against its source: a number or a name the source does not contain was
-//! invented by the model, and so is the sentence that states it.
+//! invented by the model, and so is the sentence that states it. A sentence whose names and
+//! numbers are all in the source may still pin them to the wrong things; such a sentence gives
+//! way to the source's own sentence about them.
 
 use std::collections::HashSet;
 
+use super::attribution::Attributions;
 use super::mentions::{mentions, Mention};
 use super::sentences::sentences;
+
+/// A text checked by [`Grounding::keep_grounded`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GroundedText {
+    /// The text: its sentences that the source grounds and supports, and the source's sentences
+    /// in place of those it grounds but does not support.
+    pub text: String,
+    /// How many sentences were dropped.
+    pub dropped: usize,
+    /// How many sentences were replaced by a sentence of the source.
+    pub replaced: usize,
+}
 
 /// The numbers and words of a source text, to tell which mentions of a summary it grounds.
 ///
@@ -20,11 +35,18 @@ use super::sentences::sentences;
 /// The check is conservative: it counts more than invented facts (a capitalized common word the
 /// source never uses, a figure the summary computed or rounded), and it misses a fact invented
 /// from grounded parts (a real name next to a real figure it does not belong to).
+///
+/// A grounded sentence is also checked for what it says of its names and numbers: a figure must
+/// keep its currency and unit (`£44 million` is not `44 percent`), and the words around a name
+/// or number must stand near it in the source.
 #[derive(Debug, Clone, Default)]
 pub struct Grounding {
     numbers: HashSet<String>,
     words: HashSet<String>,
     lowercase_words: HashSet<String>,
+    attributions: Attributions,
+    /// The source's sentences, trimmed, to stand in for a sentence that misattributes.
+    sentences: Vec<String>,
 }
 
 impl Grounding {
@@ -47,6 +69,12 @@ impl Grounding {
             numbers,
             words,
             lowercase_words,
+            attributions: Attributions::new(source),
+            sentences: sentences(source)
+                .into_iter()
+                .map(|sentence| sentence.trim().to_string())
+                .filter(|sentence| !sentence.is_empty())
+                .collect(),
         }
     }
 
@@ -55,11 +83,9 @@ impl Grounding {
     /// opening a sentence is still looked up in the whole source: it is no fact, and a part of
     /// a few sentences lacks too many common words.
     pub fn narrowed_to(&self, part: &str) -> Self {
-        let Grounding { numbers, words, .. } = Grounding::new(part);
         Self {
-            numbers,
-            words,
             lowercase_words: self.lowercase_words.clone(),
+            ..Grounding::new(part)
         }
     }
 
@@ -87,23 +113,61 @@ impl Grounding {
             .collect()
     }
 
-    /// `text` without its sentences that state an ungrounded mention, and how many sentences
-    /// were dropped. Each kept sentence keeps the whitespace after it, so that a text shown a
-    /// few sentences at a time reads the same as the whole text filtered at once.
-    pub fn keep_grounded(&self, text: &str) -> (String, usize) {
-        let mut kept = String::with_capacity(text.len());
-        let mut dropped = 0;
+    /// `text` checked sentence by sentence. A sentence that states an ungrounded mention is
+    /// dropped. A grounded sentence that the source does not support (see [`Grounding`]) is
+    /// replaced by the source's sentence that shares the most names and numbers with it, unless
+    /// that one is already in the text; it is dropped when none shares any. Each kept sentence
+    /// keeps the whitespace after it (a replacement: one space), so that a text shown a few
+    /// sentences at a time reads the same as the whole text checked at once.
+    pub fn keep_grounded(&self, text: &str) -> GroundedText {
+        let mut checked = GroundedText::default();
+        let mut quoted = HashSet::new();
         for sentence in sentences(text) {
-            if mentions(sentence)
-                .iter()
-                .all(|mention| self.grounds(mention))
-            {
-                kept.push_str(sentence);
+            let found = mentions(sentence);
+            if !found.iter().all(|mention| self.grounds(mention)) {
+                checked.dropped += 1;
+            } else if self.attributions.supports(sentence) {
+                checked.text.push_str(sentence);
             } else {
-                dropped += 1;
+                match self.source_sentence_about(&found) {
+                    Some(i) if quoted.insert(i) => {
+                        checked.text.push_str(&self.sentences[i]);
+                        checked.text.push(' ');
+                        checked.replaced += 1;
+                    }
+                    _ => checked.dropped += 1,
+                }
             }
         }
-        (kept, dropped)
+        checked
+    }
+
+    /// The index of the source sentence that shares the most names and numbers with `found`
+    /// (the first of equals), if any shares one.
+    fn source_sentence_about(&self, found: &[Mention]) -> Option<usize> {
+        let facts: HashSet<&Mention> = found
+            .iter()
+            .filter(|mention| {
+                !matches!(
+                    mention,
+                    Mention::Name {
+                        sentence_start: true,
+                        ..
+                    }
+                )
+            })
+            .collect();
+        self.sentences
+            .iter()
+            .enumerate()
+            .map(|(i, sentence)| {
+                let own: HashSet<Mention> = mentions(sentence).into_iter().collect();
+                let shared = facts.iter().filter(|fact| own.contains(**fact)).count();
+                (shared, std::cmp::Reverse(i))
+            })
+            .max()
+            .filter(|&(shared, _)| shared > 0)
+            .map(|(_, std::cmp::Reverse(i))| i)
     }
 }
 
@@ -193,14 +257,32 @@ mod tests {
             It protects 18,600 homes.\nThe Council paid.";
         assert_eq!(
             grounding.keep_grounded(summary),
-            (
-                "The barrier cost £412 million. It protects 18,600 homes.\n".to_string(),
-                2
-            )
+            GroundedText {
+                text: "The barrier cost £412 million. It protects 18,600 homes.\n".to_string(),
+                dropped: 2,
+                replaced: 0,
+            }
         );
         assert_eq!(
-            grounding.keep_grounded("Nothing in 1066."),
-            (String::new(), 1)
+            grounding.keep_grounded("Nothing in 1066.").text,
+            String::new()
+        );
+    }
+
+    #[test]
+    fn a_sentence_that_misattributes_gives_way_to_the_source() {
+        let grounding = Grounding::new(SOURCE);
+        // 286 is the budget, in pounds: a grounded number, wrongly placed.
+        let summary = "It protects 286 homes. The barrier cost £412 million. The Council paid.";
+        assert_eq!(
+            grounding.keep_grounded(summary),
+            GroundedText {
+                text: "The barrier cost £412 million, against a budget of £286m. \
+                    The barrier cost £412 million. "
+                    .to_string(),
+                dropped: 1,
+                replaced: 1,
+            }
         );
     }
 }

@@ -15,7 +15,7 @@ use super::quotation_frames::unframe_quotations;
 use super::salience::select_salient_sentences;
 use super::topic_words::topic_words;
 use super::whole_sentences::drop_unfinished_sentence;
-use super::{ChatTemplate, Grounding, SummarizeError};
+use super::{ChatTemplate, GroundedText, Grounding, SummarizeError};
 
 /// How the summaries of the parts become the final summary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,6 +97,7 @@ pub struct MapReduce<'t> {
     chunks: usize,
     merge_rounds: usize,
     dropped_sentences: usize,
+    replaced_sentences: usize,
     /// The topic words of the document being summarized.
     topic: HashSet<String>,
 }
@@ -131,6 +132,7 @@ impl<'t> MapReduce<'t> {
             chunks: 0,
             merge_rounds: 0,
             dropped_sentences: 0,
+            replaced_sentences: 0,
             topic: HashSet::new(),
         })
     }
@@ -169,6 +171,7 @@ impl<'t> MapReduce<'t> {
         self.chunks = 1;
         self.merge_rounds = 0;
         self.dropped_sentences = 0;
+        self.replaced_sentences = 0;
         self.grounding = self.ground.then(|| Grounding::new(document));
         // The document's, not the summaries': their own recurring words include the model's
         // habits ("the text states").
@@ -225,8 +228,10 @@ impl<'t> MapReduce<'t> {
                 _ => self.grounding.as_ref(),
             };
             let answer = unframe_quotations(answer);
-            let (summary, dropped) = grounded(drop_unfinished_sentence(&answer), grounding);
-            self.dropped_sentences += dropped;
+            let checked = grounded(drop_unfinished_sentence(&answer), grounding);
+            self.dropped_sentences += checked.dropped;
+            self.replaced_sentences += checked.replaced;
+            let summary = checked.text;
             if !summary.is_empty() {
                 summaries.push(summary);
             }
@@ -269,8 +274,10 @@ impl<'t> MapReduce<'t> {
         if whole.is_empty() {
             return Err(SummarizeError::EmptySummary);
         }
-        let (summary, dropped) = grounded(whole, self.grounding.as_ref());
-        self.dropped_sentences += dropped;
+        let checked = grounded(whole, self.grounding.as_ref());
+        self.dropped_sentences += checked.dropped;
+        self.replaced_sentences += checked.replaced;
+        let summary = checked.text;
         if summary.is_empty() {
             return Err(SummarizeError::NothingGrounded);
         }
@@ -306,6 +313,12 @@ impl<'t> MapReduce<'t> {
         self.dropped_sentences
     }
 
+    /// How many sentences of the answers grounding replaced by a sentence of the text they
+    /// misattributed.
+    pub fn replaced_sentences(&self) -> usize {
+        self.replaced_sentences
+    }
+
     /// How many rounds of merging summaries came before the final one (0 for most documents).
     pub fn merge_rounds(&self) -> usize {
         self.merge_rounds
@@ -328,15 +341,17 @@ impl<'t> MapReduce<'t> {
     }
 }
 
-/// `text`, trimmed, without the sentences `grounding` does not ground, and how many it dropped.
-fn grounded(text: &str, grounding: Option<&Grounding>) -> (String, usize) {
-    match grounding {
-        Some(grounding) => {
-            let (kept, dropped) = grounding.keep_grounded(text);
-            (kept.trim().to_string(), dropped)
-        }
-        None => (text.trim().to_string(), 0),
-    }
+/// `text` checked by `grounding` (see [`Grounding::keep_grounded`]), trimmed.
+fn grounded(text: &str, grounding: Option<&Grounding>) -> GroundedText {
+    let mut checked = match grounding {
+        Some(grounding) => grounding.keep_grounded(text),
+        None => GroundedText {
+            text: text.to_string(),
+            ..GroundedText::default()
+        },
+    };
+    checked.text = checked.text.trim().to_string();
+    checked
 }
 
 // By hand, to leave out the tokenizer's vocabulary.
@@ -353,6 +368,7 @@ impl fmt::Debug for MapReduce<'_> {
             .field("chunks", &self.chunks)
             .field("merge_rounds", &self.merge_rounds)
             .field("dropped_sentences", &self.dropped_sentences)
+            .field("replaced_sentences", &self.replaced_sentences)
             .finish_non_exhaustive()
     }
 }

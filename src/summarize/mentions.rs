@@ -58,7 +58,7 @@ pub(crate) fn mentions(text: &str) -> Vec<Mention> {
 /// The number that starts `text` (an ASCII digit) with group commas removed, and its length in
 /// bytes. A comma is a group separator when exactly three digits follow it; a point is a
 /// decimal point when a digit follows it.
-fn number_at(text: &str) -> (String, usize) {
+pub(crate) fn number_at(text: &str) -> (String, usize) {
     let bytes = text.as_bytes();
     let digit = |i: usize| bytes.get(i).is_some_and(u8::is_ascii_digit);
     let mut number = String::new();

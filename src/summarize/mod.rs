@@ -37,6 +37,7 @@
 //!
 //! `examples/summarize` is a complete command-line summarizer built on them.
 
+mod attribution;
 mod budgets;
 mod chat_template;
 mod chunking;
@@ -57,7 +58,7 @@ mod whole_sentences;
 pub use chat_template::ChatTemplate;
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
-pub use grounding::Grounding;
+pub use grounding::{GroundedText, Grounding};
 pub use map_reduce::{MapReduce, Reduce, Round};
 pub use mentions::Mention;
 pub use whole_sentences::WholeSentences;

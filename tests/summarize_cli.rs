@@ -141,6 +141,26 @@ fn bad_models_and_options_exit_2_with_a_one_line_reason() {
         "--top-p",
     );
     assert_rejected(&[document, "--top-k", "40"], "give a --temperature above 0");
+
+    // Fact lists are read before the model loads.
+    let facts = dir.join("facts.json");
+    let missing_facts = dir.join("no-facts.json");
+    assert_rejected(
+        &[document, "--facts", missing_facts.to_str().unwrap()],
+        "cannot read the fact list",
+    );
+    for (json, expected) in [
+        ("[1, 2]", "has no \"facts\" array"),
+        ("{\"facts\": []}", "lists no facts"),
+        (
+            "{\"facts\": [{\"fact\": \"x\", \"forms\": []}]}",
+            "fact 1 needs",
+        ),
+        ("{\"facts\": [{\"fact\": \"x\"", "is not JSON"),
+    ] {
+        std::fs::write(&facts, json).unwrap();
+        assert_rejected(&[document, "--facts", facts.to_str().unwrap()], expected);
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -284,14 +304,19 @@ fn long_document_is_summarized_in_several_chunks() {
         "summary: {summary:?}"
     );
     let stats = &report["stats"];
-    // The sample is longer than SmolLM2's 8192-token window.
+    // The sample is longer than SmolLM2's 8192-token window; its sentences with the most facts
+    // and topic words are summarized, 2048 of its tokens (a paragraph break between two
+    // sentences may add one).
     assert!(stats["document_tokens"].as_u64().unwrap() > 8192, "{stats}");
+    let selected = stats["selected_tokens"].as_u64().unwrap();
+    assert!((1024..=2048 + 256).contains(&selected), "{stats}");
     assert!(stats["chunks"].as_u64().unwrap() >= 2, "{stats}");
-    // One generation per chunk, then at least one to merge them.
+    // One generation per chunk; the summary is their sentences with the most facts.
     assert!(
-        stats["generations"].as_u64().unwrap() > stats["chunks"].as_u64().unwrap(),
+        stats["generations"].as_u64().unwrap() >= stats["chunks"].as_u64().unwrap(),
         "{stats}"
     );
+    assert!(stats["dropped_sentences"].is_u64(), "{stats}");
     assert!(
         stats["decode_tokens_per_second"].as_f64().unwrap() > 0.0,
         "{stats}"

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use candle_splitkv::models::llama::{WeightForm, WeightFormPolicy};
+use candle_splitkv::summarize::Reduce;
 use clap::{Parser, ValueEnum};
 
 pub use crate::kv_dtype::KvDtypeArg;
@@ -26,9 +27,12 @@ impl DtypeArg {
 
 /// Summarize a text document with a local LLM, on CPU or CUDA.
 ///
-/// Documents longer than the model's context are cut into chunks on paragraph boundaries; each
-/// chunk is summarized, then the summaries are summarized (map-reduce). With no --model, the
-/// default model (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) is downloaded on first use.
+/// A long document is boiled down to its sentences that state the most names, numbers and dates;
+/// the model rewrites them a chunk of a sentence or two at a time, and the rewritten sentences
+/// with the most facts make the summary. Sentences that state a number or a name the document
+/// does not contain are dropped, and those that pin a name or number to the wrong thing give way
+/// to the document's own sentence. With no --model, the default model (SmolLM2-135M-Instruct, Q4_1
+/// GGUF, 98 MB) is downloaded on first use.
 #[derive(Debug, Parser)]
 #[command(name = "summarize")]
 pub struct Args {
@@ -85,8 +89,9 @@ pub struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub cuda_graph: bool,
 
-    /// The most tokens of the final summary; summaries of chunks get half as many.
-    #[arg(long, default_value_t = 200)]
+    /// The most tokens of the final summary; summaries of chunks get half as many, and no more
+    /// than a chunk. A document no longer than this is summarized at once.
+    #[arg(long, default_value_t = 400)]
     pub max_new_tokens: usize,
 
     /// Sampling temperature; 0 picks the most likely token every time (reproducible output).
@@ -122,10 +127,35 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub speculate: usize,
 
-    /// The most document tokens summarized at once. Longer documents are split into chunks of at
-    /// most this size (smaller still if the model's context requires it).
-    #[arg(long, default_value_t = 1024)]
+    /// The most tokens of the document (or of its selected sentences) the model reads at a time.
+    /// Longer documents are split into chunks of at most this size (smaller still if the model's
+    /// context requires it). The default, a sentence or two, is what a small model rewrites
+    /// without dropping or mixing up facts; larger chunks lose more of them.
+    #[arg(long, default_value_t = 64)]
     pub chunk_tokens: usize,
+
+    /// A document longer than this many tokens is summarized from its sentences that state the
+    /// most names, numbers and dates, up to this many tokens of them; 0 summarizes it whole.
+    #[arg(long, default_value_t = 2048, value_name = "N")]
+    pub select_tokens: usize,
+
+    /// How the summaries of the chunks become the final summary: `carry-facts` keeps their
+    /// sentences with the most names, numbers and dates, up to --max-new-tokens; `summarize`
+    /// has the model summarize them again.
+    #[arg(long, value_enum, default_value_t = ReduceArg::CarryFacts)]
+    pub reduce: ReduceArg,
+
+    /// Keep the answers as written: by default a sentence that states a number or a name the
+    /// document does not contain is dropped, and one that attributes a name or number
+    /// differently from the document is replaced by the document's sentence about it.
+    #[arg(long)]
+    pub keep_ungrounded: bool,
+
+    /// A JSON list of facts planted in the document (`{"facts": [{"fact": ..., "forms": [...]}]}`):
+    /// the statistics then say how many of them the summary recalls, and which numbers and
+    /// names it states that the document does not.
+    #[arg(long, value_name = "FILE")]
+    pub facts: Option<PathBuf>,
 
     /// Print one JSON object with the summary and the statistics on stdout, instead of streaming
     /// the summary as text.
@@ -163,6 +193,21 @@ impl WeightFormArg {
             Self::AsStored => WeightFormPolicy::Fixed(WeightForm::AsStored),
             Self::Q8_0 => WeightFormPolicy::Fixed(WeightForm::Q8_0),
             Self::DenseF32 => WeightFormPolicy::Fixed(WeightForm::DenseF32),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReduceArg {
+    CarryFacts,
+    Summarize,
+}
+
+impl ReduceArg {
+    pub fn reduce(self) -> Reduce {
+        match self {
+            Self::CarryFacts => Reduce::CarryFacts,
+            Self::Summarize => Reduce::Summarize,
         }
     }
 }

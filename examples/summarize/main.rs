@@ -16,6 +16,7 @@ mod hub;
 #[path = "../common/kv_dtype.rs"]
 mod kv_dtype;
 mod map_reduce;
+mod planted_facts;
 mod progress;
 mod stats;
 
@@ -32,7 +33,8 @@ use clap::Parser;
 use bad_input::{bad_input, BadInput};
 use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
-use map_reduce::Summarizer;
+use map_reduce::{Plan, Summarizer};
+use planted_facts::PlantedFacts;
 use progress::Progress;
 use stats::RunInfo;
 
@@ -64,6 +66,7 @@ fn run(args: &Args) -> Result<()> {
     check_options(args)?;
     // The document is checked first: a typo in its name should not wait for a model download.
     let document = document::read_document(&args.file)?;
+    let planted_facts = args.facts.as_deref().map(PlantedFacts::read).transpose()?;
     let device = select_device(args.device)?;
     let model_path = match (&args.model, &args.model_id) {
         (Some(path), _) if !path.exists() => bad_input!("model not found: {}", path.display()),
@@ -124,8 +127,18 @@ fn run(args: &Args) -> Result<()> {
         speculate: args.speculate,
     };
     let mut generator = Generator::new(&mut model, &loaded.tokenizer, stop_tokens, settings);
-    let summary = Summarizer::new(&mut generator, chat, args.chunk_tokens, args.max_new_tokens)
-        .summarize(&document, &mut progress, !args.json)?;
+    let plan = Plan {
+        chunk_tokens: args.chunk_tokens,
+        max_new_tokens: args.max_new_tokens,
+        select_tokens: (args.select_tokens > 0).then_some(args.select_tokens),
+        reduce: args.reduce.reduce(),
+        ground: !args.keep_ungrounded,
+    };
+    let summary = Summarizer::new(&mut generator, chat, plan).summarize(
+        &document,
+        &mut progress,
+        !args.json,
+    )?;
     progress.clear();
 
     let info = RunInfo {
@@ -138,6 +151,7 @@ fn run(args: &Args) -> Result<()> {
         kv_dtype,
         speculate: args.speculate,
         elapsed_secs: started.elapsed().as_secs_f64(),
+        facts: planted_facts.map(|facts| facts.score(&summary.text, &document)),
     };
     if args.json {
         println!("{}", stats::json_report(&summary, &info));

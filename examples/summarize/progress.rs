@@ -4,7 +4,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use candle_splitkv::summarize::WholeSentences;
+use candle_splitkv::summarize::{Grounding, WholeSentences};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::generation::GenerationObserver;
@@ -83,33 +83,57 @@ impl GenerationObserver for Progress {
 
 /// Shows prefill progress, then clears the bar and prints the answer as it grows, a sentence at a
 /// time: an answer cut by the token limit then ends on its last whole sentence, as the returned
-/// summary does.
+/// summary does. With a grounding, sentences it does not ground are left out, as the returned
+/// summary leaves them out.
 pub struct StreamToStdout<'p> {
     progress: &'p mut Progress,
+    grounding: Option<&'p Grounding>,
     started: bool,
     sentences: WholeSentences,
+    printed: bool,
 }
 
 impl<'p> StreamToStdout<'p> {
-    pub fn new(progress: &'p mut Progress) -> Self {
+    pub fn new(progress: &'p mut Progress, grounding: Option<&'p Grounding>) -> Self {
         Self {
             progress,
+            grounding,
             started: false,
             sentences: WholeSentences::new(),
+            printed: false,
         }
     }
 
     /// Prints the held-back tail unless it is an unfinished sentence after whole ones, then ends
     /// the streamed text with a newline, if anything was printed.
     pub fn finish(&mut self) -> Result<()> {
-        print_now(&self.sentences.finish())?;
-        if self.sentences.released_text() {
+        let tail = self.sentences.finish();
+        self.print(&tail)?;
+        if self.printed {
             let mut out = std::io::stdout().lock();
             writeln!(out)
                 .and_then(|()| out.flush())
                 .context("writing to stdout")?;
         }
         Ok(())
+    }
+}
+
+impl StreamToStdout<'_> {
+    /// Prints the grounded sentences of `text`, without the whitespace that would open the
+    /// summary.
+    fn print(&mut self, text: &str) -> Result<()> {
+        let grounded = match self.grounding {
+            Some(grounding) => grounding.keep_grounded(text).text,
+            None => text.to_string(),
+        };
+        let shown = if self.printed {
+            grounded.as_str()
+        } else {
+            grounded.trim_start()
+        };
+        self.printed |= !shown.is_empty();
+        print_now(shown)
     }
 }
 
@@ -135,6 +159,7 @@ impl GenerationObserver for StreamToStdout<'_> {
             self.progress.clear();
             self.started = true;
         }
-        print_now(&self.sentences.push(text))
+        let released = self.sentences.push(text);
+        self.print(&released)
     }
 }

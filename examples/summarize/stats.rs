@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 
 use crate::map_reduce::Summary;
+use crate::planted_facts::FactScore;
 
 /// Where and how the summary was made, next to what [`Summary`] counted.
 pub struct RunInfo {
@@ -14,6 +15,8 @@ pub struct RunInfo {
     /// Tokens drafted per verification pass (0: no speculation).
     pub speculate: usize,
     pub elapsed_secs: f64,
+    /// The summary's score on the facts planted in the document, when a list was given.
+    pub facts: Option<FactScore>,
 }
 
 fn per_second(tokens: usize, secs: f64) -> f64 {
@@ -46,9 +49,20 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     } else {
         String::new()
     };
+    let facts = info.facts.as_ref().map_or(String::new(), |score| {
+        format!(
+            " | facts {}/{} recalled, {} invented",
+            score.recalled.len(),
+            score.planted,
+            score.invented.len()
+        )
+    });
+    let selected = summary
+        .selected_tokens
+        .map_or(String::new(), |tokens| format!(" | {tokens} selected"));
     format!(
-        "document {} tokens | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
-         attention {} | kv {} | device {} | {:.1} s",
+        "document {} tokens{selected} | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
+         attention {} | kv {} | device {}{facts} | {:.1} s",
         summary.document_tokens,
         summary.chunks,
         if summary.chunks == 1 { "" } else { "s" },
@@ -61,15 +75,19 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     )
 }
 
-/// The summary and the statistics as one JSON object.
+/// The summary and the statistics as one JSON object, with the score on the planted facts when
+/// a list was given.
 pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
     let t = &summary.timing;
-    json!({
+    let mut report = json!({
         "summary": summary.text,
         "stats": {
             "document_tokens": summary.document_tokens,
+            "selected_tokens": summary.selected_tokens,
             "chunks": summary.chunks,
             "extra_merge_rounds": summary.extra_rounds,
+            "dropped_sentences": summary.dropped_sentences,
+            "replaced_sentences": summary.replaced_sentences,
             "generations": summary.generations,
             "prefill_tokens": t.prefill_tokens,
             "prefill_seconds": t.prefill_secs,
@@ -87,6 +105,15 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "device": info.device,
             "model": info.model,
             "elapsed_seconds": info.elapsed_secs,
-        }
-    })
+        },
+    });
+    if let Some(score) = &info.facts {
+        report["facts"] = json!({
+            "planted": score.planted,
+            "recalled": score.recalled,
+            "missed": score.missed,
+            "invented": score.invented,
+        });
+    }
+    report
 }

@@ -12,12 +12,15 @@ const MIN_PART_SUMMARY: usize = 16;
 /// The token budgets of one summary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Budgets {
+    /// The most document tokens summarized at once: a chunk, or the final summary's limit where
+    /// that is more, as a document no longer than its summary gains nothing from being cut.
+    pub(crate) whole: usize,
     /// The most document tokens in one chunk.
     pub(crate) chunk: usize,
     /// The most tokens of summaries merged by one generation. It may exceed the chunk budget so
     /// that every merge takes at least two summaries, and every round shrinks the text.
     pub(crate) merge: usize,
-    /// The limit of the intermediate summaries.
+    /// The limit of the intermediate summaries: never more than a chunk, whose summary it is.
     pub(crate) part_summary: usize,
     /// The limit of the final summary.
     pub(crate) final_summary: usize,
@@ -33,14 +36,16 @@ impl Budgets {
         chunk_tokens: usize,
         max_new_tokens: usize,
     ) -> Result<Self, SummarizeError> {
-        // Half the final limit: intermediate summaries are only read by the model, and shorter
-        // ones keep small models from rambling and decoding from dominating.
-        let part_summary = (max_new_tokens / 2).max(MIN_PART_SUMMARY);
         let room = context_length.saturating_sub(
             prompt_overhead
                 .saturating_add(PROMPT_SLACK)
                 .saturating_add(max_new_tokens),
         );
+        let chunk = chunk_tokens.min(room);
+        // Half the final limit: intermediate summaries are only read by the model, and shorter
+        // ones keep small models from rambling and decoding from dominating. A summary longer
+        // than its chunk would be rambling too.
+        let part_summary = (max_new_tokens / 2).min(chunk).max(MIN_PART_SUMMARY);
         let min_merge = part_summary.saturating_mul(2).saturating_add(PROMPT_SLACK);
         if room < min_merge {
             let largest =
@@ -52,7 +57,8 @@ impl Budgets {
             });
         }
         Ok(Self {
-            chunk: chunk_tokens.min(room),
+            whole: chunk.max(max_new_tokens.min(room)),
+            chunk,
             merge: chunk_tokens.max(min_merge).min(room),
             part_summary,
             final_summary: max_new_tokens,
@@ -70,6 +76,7 @@ mod tests {
         assert_eq!(
             budgets,
             Budgets {
+                whole: 1024,
                 chunk: 1024,
                 merge: 1024,
                 part_summary: 100,
@@ -80,8 +87,23 @@ mod tests {
 
     #[test]
     fn merges_take_at_least_two_summaries() {
+        let budgets = Budgets::new(8192, 60, 100, 400).unwrap();
+        assert_eq!(
+            (budgets.chunk, budgets.merge),
+            (100, 2 * 100 + PROMPT_SLACK)
+        );
+    }
+
+    #[test]
+    fn small_chunks_leave_short_documents_whole() {
         let budgets = Budgets::new(8192, 60, 64, 200).unwrap();
-        assert_eq!((budgets.chunk, budgets.merge), (64, 2 * 100 + PROMPT_SLACK));
+        // Intermediate summaries are no longer than a chunk.
+        assert_eq!(budgets.part_summary, 64);
+        assert_eq!(budgets.final_summary, 200);
+        assert_eq!((budgets.chunk, budgets.whole), (64, 200));
+        // Unless the context has no room for that.
+        let budgets = Budgets::new(512, 60, 64, 220).unwrap();
+        assert_eq!(budgets.whole, 512 - 60 - PROMPT_SLACK - 220);
     }
 
     #[test]

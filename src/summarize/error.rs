@@ -28,6 +28,9 @@ pub enum SummarizeError {
     AllSummariesEmpty,
     /// The final answer was empty.
     EmptySummary,
+    /// Every sentence of the final answer stated a number or a name the document does not
+    /// contain, and grounding dropped them all.
+    NothingGrounded,
     /// The model's chat template does not parse or render.
     ChatTemplate {
         /// The template engine's message.
@@ -58,6 +61,10 @@ impl fmt::Display for SummarizeError {
                 f.write_str("the model wrote an empty summary for every part of the document")
             }
             SummarizeError::EmptySummary => f.write_str("the model wrote an empty summary"),
+            SummarizeError::NothingGrounded => f.write_str(
+                "every sentence of the model's summary stated a number or a name the document \
+                 does not contain",
+            ),
             SummarizeError::ChatTemplate { reason } => {
                 write!(f, "the model's chat template cannot be rendered: {reason}")
             }

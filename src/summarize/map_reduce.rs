@@ -1,8 +1,9 @@
-//! Summarizing a document of any length: summarize chunks that fit, then summarize the summaries.
+//! Summarizing a document of any length: summarize chunks that fit, then reduce the summaries.
 //!
 //! [`MapReduce`] plans the generations and reduces their answers; the caller runs the model. It
 //! hands out [`Round`]s of prompts and takes back the answers, until the final summary.
 
+use std::collections::HashSet;
 use std::fmt;
 
 use tokenizers::Tokenizer;
@@ -10,8 +11,24 @@ use tokenizers::Tokenizer;
 use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::prompts::{encode_prompt, prompt_overhead, Task};
+use super::quotation_frames::unframe_quotations;
+use super::salience::select_salient_sentences;
+use super::topic_words::topic_words;
 use super::whole_sentences::drop_unfinished_sentence;
-use super::{ChatTemplate, SummarizeError};
+use super::{ChatTemplate, GroundedText, Grounding, SummarizeError};
+
+/// How the summaries of the parts become the final summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduce {
+    /// The model summarizes the summaries, in as many rounds as they need to fit one prompt.
+    #[default]
+    Summarize,
+    /// The sentences of the summaries that state the most names, numbers and dates (then, if
+    /// room is left, the most of the document's topic words), up to the final summary's limit,
+    /// in document order ([`Round::Done`]): no further generation, so no fact is summarized
+    /// away. Where no sentence qualifies, the model summarizes them.
+    CarryFacts,
+}
 
 /// The generations to run next: each prompt is answered by a generation of at most
 /// `max_new_tokens` tokens that starts from an empty cache.
@@ -43,22 +60,46 @@ pub enum Round {
         /// The limit of the answer.
         max_new_tokens: usize,
     },
+    /// The final summary, put together from the summaries of the parts without another
+    /// generation ([`Reduce::CarryFacts`]).
+    Done {
+        /// The summary.
+        summary: String,
+    },
 }
 
-/// Plans the summary of a document of any length. One that fits the model's context is
-/// summarized at once; a longer one is cut into chunks on paragraph and sentence boundaries, each
-/// chunk is summarized, then the summaries are summarized, in as many rounds as they need to fit
-/// one prompt.
+/// Plans the summary of a document of any length. One that fits a chunk, or is no longer than
+/// the final summary may be, is summarized at once; a longer one is cut into chunks on paragraph
+/// and sentence boundaries, each chunk is summarized, then the summaries are reduced to one: by
+/// default summarized, in as many rounds as they need to fit one prompt.
 ///
 /// Intermediate summaries get half the final summary's limit (at least 16 tokens), and every
 /// answer is cut back to its last whole sentence.
+///
+/// Three steps keep the facts of a long document, each off unless asked for:
+/// [`with_selection`](Self::with_selection) summarizes only the sentences that state the most
+/// names, numbers and dates; [`with_reduce`](Self::with_reduce) can carry the facts of the
+/// parts' summaries into the final one instead of summarizing them again; and
+/// [`with_grounding`](Self::with_grounding) drops every sentence of an answer that states a
+/// number or a name the document does not contain.
 pub struct MapReduce<'t> {
     tokenizer: &'t Tokenizer,
     chat: ChatTemplate,
     budgets: Budgets,
+    selection_budget: Option<usize>,
+    reduce: Reduce,
+    ground: bool,
+    grounding: Option<Grounding>,
+    /// The grounding of each chunk, while their summaries are awaited.
+    chunk_groundings: Vec<Grounding>,
     document_tokens: usize,
+    selected_tokens: Option<usize>,
     chunks: usize,
     merge_rounds: usize,
+    dropped_sentences: usize,
+    replaced_sentences: usize,
+    /// The topic words of the document being summarized.
+    topic: HashSet<String>,
 }
 
 impl<'t> MapReduce<'t> {
@@ -81,23 +122,88 @@ impl<'t> MapReduce<'t> {
             tokenizer,
             chat,
             budgets,
+            selection_budget: None,
+            reduce: Reduce::default(),
+            ground: false,
+            grounding: None,
+            chunk_groundings: Vec::new(),
             document_tokens: 0,
+            selected_tokens: None,
             chunks: 0,
             merge_rounds: 0,
+            dropped_sentences: 0,
+            replaced_sentences: 0,
+            topic: HashSet::new(),
         })
     }
 
-    /// Cuts `document` into chunks and returns the first round: the final summary when the
-    /// document fits at once, the summaries of its parts otherwise.
+    /// Summarizes a document of more than `tokens` tokens from its sentences that state the most
+    /// names, numbers and dates (then, if room is left, the most of its topic words), up to
+    /// `tokens` of its tokens, in document order, one paragraph each, instead of from all of it.
+    /// A document without such sentences is summarized whole. `None` (the default) summarizes
+    /// every document whole.
+    pub fn with_selection(mut self, tokens: Option<usize>) -> Self {
+        self.selection_budget = tokens;
+        self
+    }
+
+    /// How the summaries of the parts become the final summary ([`Reduce::Summarize`] by
+    /// default).
+    pub fn with_reduce(mut self, reduce: Reduce) -> Self {
+        self.reduce = reduce;
+        self
+    }
+
+    /// Whether to drop each sentence of an answer that states a number or a name the document
+    /// does not contain (see [`Grounding`]); off by default.
+    pub fn with_grounding(mut self, ground: bool) -> Self {
+        self.ground = ground;
+        self
+    }
+
+    /// Cuts `document` (or its selected sentences) into chunks and returns the first round: the
+    /// final summary when the document fits a chunk or is no longer than the final summary may
+    /// be, the summaries of its parts otherwise.
     pub fn start(&mut self, document: &str) -> Result<Round, SummarizeError> {
         let starts = token_starts(self.tokenizer, document)?;
-        let chunks = split_into_chunks(document, &starts, self.budgets.chunk);
         self.document_tokens = starts.len();
-        self.chunks = chunks.len().max(1);
+        self.selected_tokens = None;
+        self.chunks = 1;
         self.merge_rounds = 0;
-        if chunks.len() <= 1 {
+        self.dropped_sentences = 0;
+        self.replaced_sentences = 0;
+        self.grounding = self.ground.then(|| Grounding::new(document));
+        // The document's, not the summaries': their own recurring words include the model's
+        // habits ("the text states").
+        self.topic = topic_words(document);
+        if starts.len() <= self.budgets.whole {
             return self.final_round(Task::Document(document.trim()));
         }
+        let selection: String;
+        let (text, starts) = match self.selection_budget {
+            Some(budget) if starts.len() > budget => {
+                let sentences = select_salient_sentences(document, &starts, budget, &self.topic);
+                if sentences.is_empty() {
+                    (document, starts)
+                } else {
+                    // One paragraph each, so that chunks end between sentences.
+                    selection = sentences.join("\n\n");
+                    let selection_starts = token_starts(self.tokenizer, &selection)?;
+                    self.selected_tokens = Some(selection_starts.len());
+                    (selection.as_str(), selection_starts)
+                }
+            }
+            _ => (document, starts),
+        };
+        let chunks = split_into_chunks(text, &starts, self.budgets.chunk);
+        self.chunks = chunks.len().max(1);
+        if chunks.len() <= 1 {
+            return self.final_round(Task::Document(text.trim()));
+        }
+        self.chunk_groundings = match &self.grounding {
+            Some(grounding) => chunks.iter().map(|c| grounding.narrowed_to(c)).collect(),
+            None => Vec::new(),
+        };
         let prompts = self.prompts(chunks.into_iter().map(Task::Part))?;
         Ok(Round::Parts {
             prompts,
@@ -106,21 +212,44 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Takes the answers of a [`Round::Parts`] or [`Round::Merge`] and returns the next round:
-    /// the final summary when the summaries fit one prompt, another merge otherwise.
+    /// with [`Reduce::CarryFacts`], the summary itself; else the final summary when the
+    /// summaries fit one prompt, another merge otherwise.
     ///
-    /// Empty answers are skipped. Fails when all of them are empty, or when merging would not
-    /// leave fewer summaries than there are.
+    /// Empty answers are skipped (so are answers left empty by grounding). Fails when all of
+    /// them are empty, or when merging would not leave fewer summaries than there are.
     pub fn next_round(&mut self, answers: &[String]) -> Result<Round, SummarizeError> {
-        let summaries: Vec<&str> = answers
-            .iter()
-            .map(|answer| drop_unfinished_sentence(answer))
-            .filter(|summary| !summary.is_empty())
-            .collect();
+        // The summaries of the chunks are checked against their chunks, merged summaries against
+        // the document.
+        let chunk_groundings = std::mem::take(&mut self.chunk_groundings);
+        let mut summaries = Vec::with_capacity(answers.len());
+        for (i, answer) in answers.iter().enumerate() {
+            let grounding = match chunk_groundings.get(i) {
+                Some(chunk) if chunk_groundings.len() == answers.len() => Some(chunk),
+                _ => self.grounding.as_ref(),
+            };
+            let answer = unframe_quotations(answer);
+            let checked = grounded(drop_unfinished_sentence(&answer), grounding);
+            self.dropped_sentences += checked.dropped;
+            self.replaced_sentences += checked.replaced;
+            let summary = checked.text;
+            if !summary.is_empty() {
+                summaries.push(summary);
+            }
+        }
         if summaries.is_empty() {
             return Err(SummarizeError::AllSummariesEmpty);
         }
         let joined = summaries.join("\n\n");
         let starts = token_starts(self.tokenizer, &joined)?;
+        if self.reduce == Reduce::CarryFacts {
+            let picked =
+                select_salient_sentences(&joined, &starts, self.budgets.final_summary, &self.topic);
+            if !picked.is_empty() {
+                return Ok(Round::Done {
+                    summary: picked.join(" "),
+                });
+            }
+        }
         let groups = split_into_chunks(&joined, &starts, self.budgets.merge);
         if groups.len() <= 1 {
             return self.final_round(Task::Summaries(&joined));
@@ -138,13 +267,28 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Takes the answer of the [`Round::Final`] and returns the summary: the answer up to its
-    /// last whole sentence. Fails when that is empty.
-    pub fn finish(&self, answer: &str) -> Result<String, SummarizeError> {
-        let summary = drop_unfinished_sentence(answer);
-        if summary.is_empty() {
+    /// last whole sentence, without its ungrounded sentences when grounding is on. Fails when
+    /// that is empty.
+    pub fn finish(&mut self, answer: &str) -> Result<String, SummarizeError> {
+        let whole = drop_unfinished_sentence(answer);
+        if whole.is_empty() {
             return Err(SummarizeError::EmptySummary);
         }
-        Ok(summary.to_string())
+        let checked = grounded(whole, self.grounding.as_ref());
+        self.dropped_sentences += checked.dropped;
+        self.replaced_sentences += checked.replaced;
+        let summary = checked.text;
+        if summary.is_empty() {
+            return Err(SummarizeError::NothingGrounded);
+        }
+        Ok(summary)
+    }
+
+    /// The grounding of the document being summarized, when grounding is on: what
+    /// [`finish`](Self::finish) checks the final answer against, for a caller that shows the
+    /// answer as it is written.
+    pub fn grounding(&self) -> Option<&Grounding> {
+        self.grounding.as_ref()
     }
 
     /// How many tokens the document has.
@@ -152,9 +296,27 @@ impl<'t> MapReduce<'t> {
         self.document_tokens
     }
 
-    /// How many chunks the document was cut into (1 when it fits at once).
+    /// How many tokens the selected sentences have, paragraph breaks between them included, when
+    /// the document was summarized from them.
+    pub fn selected_tokens(&self) -> Option<usize> {
+        self.selected_tokens
+    }
+
+    /// How many chunks the document (or its selected sentences) was cut into (1 when it fits at
+    /// once).
     pub fn chunks(&self) -> usize {
         self.chunks
+    }
+
+    /// How many sentences of the answers grounding dropped.
+    pub fn dropped_sentences(&self) -> usize {
+        self.dropped_sentences
+    }
+
+    /// How many sentences of the answers grounding replaced by a sentence of the text they
+    /// misattributed.
+    pub fn replaced_sentences(&self) -> usize {
+        self.replaced_sentences
     }
 
     /// How many rounds of merging summaries came before the final one (0 for most documents).
@@ -179,15 +341,34 @@ impl<'t> MapReduce<'t> {
     }
 }
 
+/// `text` checked by `grounding` (see [`Grounding::keep_grounded`]), trimmed.
+fn grounded(text: &str, grounding: Option<&Grounding>) -> GroundedText {
+    let mut checked = match grounding {
+        Some(grounding) => grounding.keep_grounded(text),
+        None => GroundedText {
+            text: text.to_string(),
+            ..GroundedText::default()
+        },
+    };
+    checked.text = checked.text.trim().to_string();
+    checked
+}
+
 // By hand, to leave out the tokenizer's vocabulary.
 impl fmt::Debug for MapReduce<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MapReduce")
             .field("chat", &self.chat)
             .field("budgets", &self.budgets)
+            .field("selection_budget", &self.selection_budget)
+            .field("reduce", &self.reduce)
+            .field("ground", &self.ground)
             .field("document_tokens", &self.document_tokens)
+            .field("selected_tokens", &self.selected_tokens)
             .field("chunks", &self.chunks)
             .field("merge_rounds", &self.merge_rounds)
+            .field("dropped_sentences", &self.dropped_sentences)
+            .field("replaced_sentences", &self.replaced_sentences)
             .finish_non_exhaustive()
     }
 }
@@ -257,7 +438,8 @@ mod tests {
         let part_prompt = prompt_tokens(&tokenizer, Task::Part(&two_paragraphs));
         assert_eq!(prompts.len(), 5);
         assert!(prompts.iter().all(|prompt| prompt.len() == part_prompt));
-        assert_eq!(max_new_tokens, 100);
+        // Half the final limit, but no more than a chunk.
+        assert_eq!(max_new_tokens, 64);
         assert_eq!((plan.document_tokens(), plan.chunks()), (300, 5));
 
         // Unfinished sentences and empty answers do not reach the merge.
@@ -293,21 +475,21 @@ mod tests {
             panic!("expected the summaries of the parts");
         };
         assert_eq!(prompts.len(), 5);
-        // A merge reads up to two 100-token summaries (232 tokens), more than a chunk: five
-        // summaries go in three groups.
+        // A merge reads up to two 64-token summaries (160 tokens), more than a chunk: five
+        // summaries of 70 tokens go in three groups.
         let Round::Merge {
             round,
             prompts,
             max_new_tokens,
-        } = plan.next_round(&paragraphs(5, 100)).unwrap()
+        } = plan.next_round(&paragraphs(5, 70)).unwrap()
         else {
             panic!("expected a merge round");
         };
-        let two_summaries = paragraphs(2, 100).join("\n\n");
+        let two_summaries = paragraphs(2, 70).join("\n\n");
         let merge_prompt = prompt_tokens(&tokenizer, Task::Summaries(&two_summaries));
         let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
-        assert_eq!(lengths, [merge_prompt, merge_prompt, merge_prompt - 100]);
-        assert_eq!((round, max_new_tokens), (1, 100));
+        assert_eq!(lengths, [merge_prompt, merge_prompt, merge_prompt - 70]);
+        assert_eq!((round, max_new_tokens), (1, 64));
         assert_eq!(plan.merge_rounds(), 1);
 
         let answers = ["One.", "Two.", "Three."].map(String::from);
@@ -358,5 +540,127 @@ mod tests {
                 largest: (512 - overhead - 64) / 2,
             }
         );
+    }
+
+    /// A sentence of `words` words in all, stating `fact` (a number or a name) at its end.
+    fn fact_sentence(words: usize, fact: &str) -> String {
+        format!("{} {fact}.", vec!["w"; words - 1].join(" "))
+    }
+
+    #[test]
+    fn a_long_document_is_summarized_from_its_sentences_with_facts() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 50)
+            .unwrap()
+            .with_selection(Some(100));
+        // 20 sentences of 9 tokens without facts, and 3 of 10 tokens that state one.
+        let mut paragraphs = paragraphs(20, 9);
+        paragraphs.insert(3, fact_sentence(10, "1987"));
+        paragraphs.insert(12, fact_sentence(10, "Ashdown"));
+        paragraphs.insert(20, fact_sentence(10, "£412"));
+        let round = plan.start(&paragraphs.join("\n\n")).unwrap();
+        assert_eq!(plan.document_tokens(), 210);
+        assert_eq!(plan.selected_tokens(), Some(30));
+        // The three sentences with facts, in document order, fit one chunk.
+        let selected = [
+            fact_sentence(10, "1987"),
+            fact_sentence(10, "Ashdown"),
+            fact_sentence(10, "£412"),
+        ]
+        .join("\n\n");
+        assert_eq!(
+            round,
+            Round::Final {
+                prompt: encode_prompt(
+                    &tokenizer,
+                    &ChatTemplate::chatml(),
+                    Task::Document(&selected)
+                )
+                .unwrap(),
+                max_new_tokens: 50,
+            }
+        );
+        assert_eq!(plan.chunks(), 1);
+    }
+
+    #[test]
+    fn carrying_facts_keeps_the_summaries_sentences_with_the_most_facts() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 20)
+            .unwrap()
+            .with_reduce(Reduce::CarryFacts);
+        plan.start(&paragraphs(10, 30).join("\n\n")).unwrap();
+        let answers = [
+            format!("{} {}", fact_sentence(8, "Ashdown"), paragraph(8)),
+            fact_sentence(12, "1987"),
+            format!(
+                "{} {}",
+                fact_sentence(8, "2019"),
+                fact_sentence(8, "Ashdown")
+            ),
+        ];
+        // Room for two of the three 8-token sentences with a new fact, kept in order.
+        assert_eq!(
+            plan.next_round(&answers).unwrap(),
+            Round::Done {
+                summary: format!(
+                    "{} {}",
+                    fact_sentence(8, "Ashdown"),
+                    fact_sentence(8, "2019")
+                ),
+            }
+        );
+        // Summaries without facts are summarized by the model.
+        plan.start(&paragraphs(10, 30).join("\n\n")).unwrap();
+        assert!(matches!(
+            plan.next_round(&paragraphs(2, 8)).unwrap(),
+            Round::Final { .. }
+        ));
+    }
+
+    #[test]
+    fn grounding_drops_what_the_text_read_does_not_state() {
+        let tokenizer = word_tokenizer();
+        let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 40, 50)
+            .unwrap()
+            .with_grounding(true);
+        // Three chunks: one states 1987, one 2019, one neither. The filler word is "w".
+        let document = [
+            fact_sentence(30, "1987"),
+            fact_sentence(30, "2019"),
+            paragraph(30),
+        ]
+        .join("\n\n");
+        let Round::Parts { prompts, .. } = plan.start(&document).unwrap() else {
+            panic!("expected the summaries of the parts");
+        };
+        assert_eq!(prompts.len(), 3);
+        // 2019 is in the document, but not in the first chunk, whose summary the first answer is.
+        let answers = [
+            "w in 1987. w in 2019.".to_string(),
+            "w in 2019.".to_string(),
+            "w in 1999.".to_string(),
+        ];
+        let Round::Final { prompt, .. } = plan.next_round(&answers).unwrap() else {
+            panic!("expected the final summary");
+        };
+        let kept = "w in 1987.\n\nw in 2019.";
+        assert_eq!(
+            prompt,
+            encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Summaries(kept)).unwrap()
+        );
+        assert_eq!(plan.dropped_sentences(), 2);
+        // The final summary is checked against the whole document.
+        assert_eq!(
+            plan.finish("W in 1987. W in 2024. W in 2019.").unwrap(),
+            "W in 1987. W in 2019."
+        );
+        assert_eq!(plan.dropped_sentences(), 3);
+        // A name the document lacks.
+        assert_eq!(
+            plan.finish("Only Zed.").unwrap_err(),
+            SummarizeError::NothingGrounded
+        );
+        assert!(plan.grounding().is_some());
     }
 }

@@ -1,16 +1,23 @@
-//! The building blocks of a long-document summarizer: checking that the input is text, cutting
-//! it into chunks that fit the model's context, prompting in the model's chat format, and merging
-//! the summaries of the chunks (map-reduce).
+//! The building blocks of a long-document summarizer: checking that the input is text, selecting
+//! the sentences that state the most names, numbers and dates, cutting it into chunks that fit
+//! the model's context, prompting in the model's chat format, reducing the summaries of the
+//! chunks to one (map-reduce), and dropping sentences that state a number or a name the text
+//! does not contain (grounding).
 //!
 //! [`MapReduce`] plans the generations and the caller runs them, on any model:
 //!
 //! ```no_run
-//! use candle_splitkv::summarize::{decode_text, ChatTemplate, MapReduce, Round};
+//! use candle_splitkv::summarize::{decode_text, ChatTemplate, MapReduce, Reduce, Round};
 //! # fn generate(prompt: &[u32], max_new_tokens: usize) -> String { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
 //! let document = decode_text("notes.txt", bytes)?;
-//! let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 1024, 200)?;
+//! // The summarizer's defaults: chunks of 64 tokens from the 2,048 tokens of sentences with the
+//! // most facts, a summary of up to 400 tokens carried from their summaries' fact sentences.
+//! let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 400)?
+//!     .with_selection(Some(2048))
+//!     .with_reduce(Reduce::CarryFacts)
+//!     .with_grounding(true);
 //! let mut round = plan.start(&document)?;
 //! let summary = loop {
 //!     round = match round {
@@ -22,6 +29,7 @@
 //!         Round::Final { prompt, max_new_tokens } => {
 //!             break plan.finish(&generate(&prompt, max_new_tokens))?;
 //!         }
+//!         Round::Done { summary } => break summary,
 //!     };
 //! };
 //! # Ok(()) }
@@ -29,19 +37,28 @@
 //!
 //! `examples/summarize` is a complete command-line summarizer built on them.
 
+mod attribution;
 mod budgets;
 mod chat_template;
 mod chunking;
 mod document;
 mod error;
+mod grounding;
 mod map_reduce;
+mod mentions;
 mod prompts;
+mod quotation_frames;
+mod salience;
+mod sentences;
 #[cfg(test)]
 mod test_tokenizer;
+mod topic_words;
 mod whole_sentences;
 
 pub use chat_template::ChatTemplate;
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
-pub use map_reduce::{MapReduce, Round};
+pub use grounding::{GroundedText, Grounding};
+pub use map_reduce::{MapReduce, Reduce, Round};
+pub use mentions::Mention;
 pub use whole_sentences::WholeSentences;

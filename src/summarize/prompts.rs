@@ -7,6 +7,10 @@ use super::{ChatTemplate, SummarizeError};
 /// Without a system message SmolLM2 ends its answer before writing anything.
 const SYSTEM: &str = "You are a helpful assistant who writes concise, accurate summaries.";
 
+/// Asked for a plain summary, small models write about the text ("the report discusses...") and
+/// drop its particulars; asked to keep them, they copy more of the sentences that state them.
+const KEEP_FACTS: &str = "Keep its names, numbers and dates.";
+
 /// What a generation is asked to do. The instruction follows the text: small models lose an
 /// instruction placed before a long text, and then continue or repeat the text instead.
 #[derive(Debug, Clone, Copy)]
@@ -25,10 +29,13 @@ impl Task<'_> {
             // Joined summaries read like a short document; asked to "combine summaries", small
             // models tend to describe the list instead of summarizing it.
             Task::Document(text) | Task::Summaries(text) => {
-                format!("{text}\n\nSummarize the text above in a short paragraph.")
+                format!("{text}\n\nSummarize the text above in a short paragraph. {KEEP_FACTS}")
             }
+            // Parts are small (a few sentences): asked for one short sentence, the model copies
+            // the one that states the most, often tightened; asked for more, it also copies those
+            // that state less.
             Task::Part(text) => {
-                format!("{text}\n\nSummarize the text above in two or three sentences.")
+                format!("{text}\n\nRewrite the text above as one short sentence. {KEEP_FACTS}")
             }
         }
     }
@@ -69,11 +76,11 @@ mod tests {
     fn the_instruction_follows_the_text() {
         let part = Task::Part("Chunk text.").user_message();
         assert!(part.starts_with("Chunk text.\n\n"));
-        assert!(part.ends_with("in two or three sentences."));
+        assert!(part.ends_with(&format!("as one short sentence. {KEEP_FACTS}")));
         for task in [Task::Document("Text."), Task::Summaries("Text.")] {
             let message = task.user_message();
             assert!(message.starts_with("Text.\n\n"));
-            assert!(message.ends_with("in a short paragraph."));
+            assert!(message.ends_with(&format!("in a short paragraph. {KEEP_FACTS}")));
         }
     }
 

@@ -1,0 +1,109 @@
+//! The summarizer at its default settings, on the CPU, keeps the facts of a long document: on
+//! `examples/data/tidal-barrier-review.md` (a fictional report of about 14,700 tokens) it recalls
+//! at least half of the facts planted in it (`tidal-barrier-review.facts.json`: names, figures,
+//! dates), states no number or name the report does not contain, and finishes within 3 minutes.
+//!
+//! The test runs the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from
+//! `$CANDLE_SPLITKV_CACHE`, else `~/.cache/candle-splitkv`, and is skipped with a notice when it
+//! is not there (`scripts/fetch-model.sh` fetches it).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The time the summary may take, model loading included.
+const TIME_LIMIT_SECS: f64 = 180.0;
+
+/// The cache directory the summarizer reads the default model from, when the model is there.
+fn default_model_cache() -> Option<PathBuf> {
+    let cache = match std::env::var_os("CANDLE_SPLITKV_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/candle-splitkv"),
+    };
+    if cache.join(MODEL_FILE).is_file() {
+        Some(cache)
+    } else {
+        eprintln!(
+            "skipping: the default model {MODEL_FILE} is not in {} (scripts/fetch-model.sh \
+             fetches it)",
+            cache.display()
+        );
+        None
+    }
+}
+
+fn data(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/data")
+        .join(name)
+        .to_str()
+        .expect("the repository path is UTF-8")
+        .to_string()
+}
+
+fn strings(value: &Value) -> Vec<&str> {
+    value
+        .as_array()
+        .map(|items| items.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn default_summary_keeps_the_planted_facts_and_invents_none() {
+    let Some(cache) = default_model_cache() else {
+        return;
+    };
+    let output = Command::new(common::example_binary("summarize"))
+        .arg(data("tidal-barrier-review.md"))
+        .args(["--facts", &data("tidal-barrier-review.facts.json")])
+        .args(["--device", "cpu", "--json", "--quiet"])
+        .env("CANDLE_SPLITKV_CACHE", cache)
+        .output()
+        .expect("the summarize binary starts");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not one JSON object ({e}): {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    });
+    let summary = report["summary"].as_str().unwrap_or_default();
+    let facts = &report["facts"];
+    let planted = facts["planted"].as_u64().unwrap_or(0) as usize;
+    let recalled = strings(&facts["recalled"]);
+    let invented = strings(&facts["invented"]);
+    let elapsed = report["stats"]["elapsed_seconds"]
+        .as_f64()
+        .unwrap_or(f64::NAN);
+    eprintln!(
+        "{} of {planted} facts recalled, {} invented, {elapsed:.1} s\nsummary: {summary}",
+        recalled.len(),
+        invented.len()
+    );
+
+    assert_eq!(planted, 15, "{report}");
+    assert!(
+        2 * recalled.len() >= planted,
+        "recalled {} of {planted} planted facts: {recalled:?}\nsummary: {summary}",
+        recalled.len()
+    );
+    assert!(
+        invented.is_empty(),
+        "the summary states numbers or names the document does not: {invented:?}\nsummary: \
+         {summary}"
+    );
+    assert!(
+        elapsed <= TIME_LIMIT_SECS,
+        "the summary took {elapsed:.1} s, more than {TIME_LIMIT_SECS} s"
+    );
+}

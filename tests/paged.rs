@@ -159,14 +159,16 @@ fn bad_tables_are_clear_errors() -> Result<()> {
     let pool = Tensor::zeros((5, 16, 2, 64), DType::F32, &dev)?;
     let table = Tensor::new(&[[0u32, 1], [2, 3]], &dev)?;
     let lens = Tensor::new(&[20u32, 32], &dev)?;
-    let run = |table: &Tensor, lens: &Tensor| {
-        flash_decode_paged(&q, &pool, &pool, table, lens, 0.125)
-    };
+    let run =
+        |table: &Tensor, lens: &Tensor| flash_decode_paged(&q, &pool, &pool, table, lens, 0.125);
     run(&table, &lens)?;
 
     let outside = Tensor::new(&[[0u32, 1], [2, 5]], &dev)?;
     let e = error_of(run(&outside, &lens));
-    assert!(e.contains("block_table[1][1] = 5") && e.contains("5 pages"), "{e}");
+    assert!(
+        e.contains("block_table[1][1] = 5") && e.contains("5 pages"),
+        "{e}"
+    );
     // Entries past a sequence's last page are not read.
     let past = Tensor::new(&[[0u32, 1], [2, 3]], &dev)?;
     run(&past, &Tensor::new(&[20u32, 17], &dev)?)?;

@@ -43,7 +43,10 @@ pub fn share_prefix(x: &Tensor, len: usize) -> Result<Tensor> {
 /// A pseudo-random permutation of `0..n`.
 fn shuffled(n: usize, seed: u64) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) | 1;
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407)
+        | 1;
     for i in (1..n).rev() {
         state ^= state << 13;
         state ^= state >> 7;
@@ -165,7 +168,15 @@ pub fn check_paged(
     let v = kv(random((b, l, case.h_kv, case.d))?)?;
     let paged = page_kv(&k, &v, &case.lens, case.layout)?;
     let scale = 1.0 / (case.d as f32).sqrt();
-    let want = reference_masked(&q, &k, &v, scale, Some(&case.lens), case.window, case.softcap)?;
+    let want = reference_masked(
+        &q,
+        &k,
+        &v,
+        scale,
+        Some(&case.lens),
+        case.window,
+        case.softcap,
+    )?;
     for &kernel in kernels {
         for &num_splits in splits {
             let op = |block_table: Option<&Tensor>| {

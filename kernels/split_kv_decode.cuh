@@ -117,10 +117,12 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     T* ring = reinterpret_cast<T*>(smem) + (size_t)warp * STAGES * (Cfg::kStageBytes / sizeof(T));
     const int kv_source = kv_head / p.blocks_per_kv_head;  // the K/V head this block of queries reads
     // Paged: row 0 of (page 0, the K/V head), each row found through the sequence's pages.
-    const T* k_base = static_cast<const T*>(p.k) + (PAGED ? 0 : b * p.k_batch_stride) +
-                      kv_source * p.k_head_stride;
-    const T* v_base = static_cast<const T*>(p.v) + (PAGED ? 0 : b * p.v_batch_stride) +
-                      kv_source * p.v_head_stride;
+    const T* k_base = PAGED
+        ? static_cast<const T*>(p.k) + kv_source * p.k_head_stride
+        : static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_source * p.k_head_stride;
+    const T* v_base = PAGED
+        ? static_cast<const T*>(p.v) + kv_source * p.v_head_stride
+        : static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_source * p.v_head_stride;
     const uint32_t* pages = PAGED ? p.block_table + (long long)b * p.max_pages : nullptr;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
@@ -133,16 +135,22 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
             const int r = i / PIECES, c = i - r * PIECES;
             const bool valid = first + r < end;
             const long long pos = valid ? first + r : start;  // never form an address past the end
-            long long k_row = pos * p.k_seq_stride, v_row = pos * p.v_seq_stride;
             if constexpr (PAGED) {
                 const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
-                k_row = at.page * p.k_batch_stride + at.row * p.k_seq_stride;
-                v_row = at.page * p.v_batch_stride + at.row * p.v_seq_stride;
+                const T* k_row = k_base + at.page * p.k_batch_stride + at.row * p.k_seq_stride;
+                const T* v_row = v_base + at.page * p.v_batch_stride + at.row * p.v_seq_stride;
+                cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(k_row) + c * 16, valid);
+                cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(v_row) + c * 16, valid);
+            } else {
+                cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(k_base + pos * p.k_seq_stride) + c * 16,
+                           valid);
+                cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(v_base + pos * p.v_seq_stride) + c * 16,
+                           valid);
             }
-            cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
-                       reinterpret_cast<const char*>(k_base + k_row) + c * 16, valid);
-            cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
-                       reinterpret_cast<const char*>(v_base + v_row) + c * 16, valid);
         }
     };
 #pragma unroll

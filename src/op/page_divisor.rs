@@ -26,6 +26,7 @@ impl PageDivisor {
     }
 
     /// `pos / page_size` the way the kernels compute it; exact for every `pos` below 2^31.
+    #[cfg(test)]
     pub fn quotient(self, pos: u32) -> u32 {
         let high = ((u64::from(pos) * u64::from(self.magic)) >> 32) as u32;
         (high + pos) >> self.shift

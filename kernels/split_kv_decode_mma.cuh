@@ -193,7 +193,6 @@ struct MmaItem {
     int my_tiles;     // tiles of the chunk this warp streams
     const char* k;    // row 0 of (b, kv_head); paged: of (page 0, kv_head)
     const char* v;
-    const uint32_t* pages;  // paged: the sequence's row of the block table
 };
 
 // Item `index` counts splits fastest, then kv heads, then batches, like the one-item grid.
@@ -225,7 +224,6 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     if constexpr (PAGED) {
         it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + kv_source * p.k_head_stride);
         it.v = reinterpret_cast<const char*>(static_cast<const KV*>(p.v) + kv_source * p.v_head_stride);
-        it.pages = p.block_table + (long long)it.b * p.max_pages;
     } else {
         it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + it.b * p.k_batch_stride +
                                              kv_source * p.k_head_stride);
@@ -325,14 +323,16 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     const unsigned long long stream_policy = l2_evict_first_policy();
     auto load_tile = [&](int slot, const MmaItem& it, int n) {
         const int first = it.start + (warp + n * kWarps) * ROWS;
+        // Paged: each row looks its page up in the sequence's row of the block table (pages may
+        // be shorter than a tile).
+        const uint32_t* pages = PAGED ? p.block_table + (long long)it.b * p.max_pages : nullptr;
         if constexpr (PAGED) {
-            // Each row looks its page up: pages may be shorter than a tile.
             if (kLaneFixed && first + ROWS <= it.end) {
                 const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
                 const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
 #pragma unroll
                 for (int j = 0; j < PER_LANE; ++j) {
-                    const PagedRow at = paged_row(p, it.pages, first + lane_row + j * LANE_ROWS);
+                    const PagedRow at = paged_row(p, pages, first + lane_row + j * LANE_ROWS);
                     cp_async16_to_hint(k_dst + lane_dst[j],
                                        it.k + at.page * k_page_bytes + at.row * k_row_bytes +
                                            lane_piece * 16,
@@ -373,7 +373,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const long long pos = valid ? first + r : it.start;  // never past the end
             const int dst = kLanesOnPieces ? piece_offset<KV, D, GMAX>(r, c) : i * 16;
             if constexpr (PAGED) {
-                const PagedRow at = paged_row(p, it.pages, static_cast<int>(pos));
+                const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
                 cp_async16(k_s + dst, it.k + at.page * k_page_bytes + at.row * k_row_bytes + c * 16,
                            valid);
                 cp_async16(v_s + dst, it.v + at.page * v_page_bytes + at.row * v_row_bytes + c * 16,

@@ -73,13 +73,14 @@ impl KernelForm {
         }
     }
 
-    /// The form of the same family that reads K/V from a pool of pages (with a window and
-    /// soft-capping where asked), for the two families the planner starts from; `None` for the
-    /// others.
-    pub fn paged(self) -> Option<KernelForm> {
-        match self {
-            KernelForm::CudaCore => Some(KernelForm::CudaCorePaged),
-            KernelForm::TensorCore => Some(KernelForm::TensorCorePaged),
+    /// The form of the same family that reads K/V from a pool of pages, with a window and
+    /// soft-capping where `windowed`, for the two families the planner starts from; `None` for
+    /// the others.
+    pub fn paged(self, windowed: bool) -> Option<KernelForm> {
+        match (self, windowed) {
+            (KernelForm::CudaCore, _) => Some(KernelForm::CudaCorePaged),
+            (KernelForm::TensorCore, false) => Some(KernelForm::TensorCorePaged),
+            (KernelForm::TensorCore, true) => Some(KernelForm::TensorCoreWindowedPaged),
             _ => None,
         }
     }

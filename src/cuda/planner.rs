@@ -78,12 +78,13 @@ pub(crate) fn prepare(
 ) -> Result<(DecodeKernel, SplitPlan)> {
     let dims = &blocks.dims;
     let mut family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
+    let windowed = call.window_left.is_some() || call.softcap.is_some();
     if dims.pages.is_some() {
-        family = match family.paged() {
+        family = match family.paged(windowed) {
             Some(paged) => paged,
             None => bail!("split-kv attention: no paged form of the {family:?} kernels"),
         };
-    } else if call.window_left.is_some() || call.softcap.is_some() {
+    } else if windowed {
         family = family.windowed().unwrap_or(family);
     }
     let kernel = DecodeKernel::load(dev, family, dtype, kv_dtype, dims)?;
@@ -179,7 +180,10 @@ fn merge_cluster(
 ) -> Result<Option<(ClusterDims, LaunchConfig)>> {
     let one_item = matches!(
         kernel.spec.form,
-        KernelForm::TensorCore | KernelForm::TensorCoreWindowed | KernelForm::TensorCorePaged
+        KernelForm::TensorCore
+            | KernelForm::TensorCoreWindowed
+            | KernelForm::TensorCorePaged
+            | KernelForm::TensorCoreWindowedPaged
     );
     if !one_item || !(2..=MAX_CLUSTER).contains(&splits) {
         return Ok(None);

@@ -71,6 +71,12 @@ enum KvDtype {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum PageLayout {
+    HeadMajor,
+    SeqMajor,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum KernelArg {
     Auto,
     TensorCore,
@@ -120,6 +126,17 @@ struct Args {
     #[arg(long, value_name = "C")]
     softcap: Option<f32>,
 
+    /// K/V in a pool of pages of this many positions, each sequence's pages in a shuffled order
+    /// (written as `page_size` in each line); the split-KV op only.
+    #[arg(long, value_name = "PAGE_SIZE")]
+    paged: Option<usize>,
+
+    /// How a page pool is laid out: `head-major` `(pages, kv_heads, page_size, d)`, as the
+    /// contiguous cache is, or `seq-major` `(pages, page_size, kv_heads, d)` (written as
+    /// `page_layout` in each line).
+    #[arg(long, value_enum, default_value = "head-major")]
+    page_layout: PageLayout,
+
     /// Force this many splits instead of the heuristic.
     #[arg(long)]
     splits: Option<usize>,
@@ -137,6 +154,13 @@ struct Args {
     /// The pass being run (set by `main`, not on the command line).
     #[arg(skip)]
     pass: usize,
+}
+
+impl Args {
+    /// The page size and pool layout with `--paged`.
+    fn paging(&self) -> Option<(usize, PageLayout)> {
+        self.paged.map(|page| (page, self.page_layout))
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -244,15 +268,33 @@ fn points(args: &Args, on_gpu: bool) -> Result<Vec<Point>> {
     Ok(out)
 }
 
-/// One buffer set: q `(b,t,hq,d)` and k, v head-major `(b,hk,L,d)` as a cache holds them.
+/// One buffer set: q `(b,t,hq,d)` and k, v head-major `(b,hk,L,d)` as a cache holds them, or
+/// with `--paged` pools of `b·⌈L/page⌉` pages.
 struct Inputs {
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    /// `--paged`: the block table, the lengths and the pool's layout.
+    pages: Option<(Tensor, Tensor, PageLayout)>,
+}
+
+/// Sequence b's pages, in a shuffled order over the pool so that no two neighbours in a sequence
+/// are neighbours in memory (xorshift, fixed seed): u32 `(b, pages_per_seq)`.
+fn shuffled_block_table(b: usize, pages_per_seq: usize, dev: &Device) -> Result<Tensor> {
+    let n = b * pages_per_seq;
+    let mut order: Vec<u32> = (0..n as u32).collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..n).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        order.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    Ok(Tensor::from_vec(order, (b, pages_per_seq), dev)?)
 }
 
 impl Inputs {
-    fn random(p: &Point, dev: &Device) -> Result<Self> {
+    fn random(p: &Point, dev: &Device, paged: Option<(usize, PageLayout)>) -> Result<Self> {
         let rand = |shape: (usize, usize, usize, usize), dtype: DType| -> Result<Tensor> {
             let x = Tensor::randn(0f32, 1.0, shape, dev)?;
             Ok(match dtype {
@@ -260,16 +302,49 @@ impl Inputs {
                 _ => x.to_dtype(dtype)?,
             })
         };
+        let q = rand((p.b, p.t, p.hq, p.d), p.dtype)?;
+        let Some((page, layout)) = paged else {
+            return Ok(Self {
+                q,
+                k_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
+                v_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
+                pages: None,
+            });
+        };
+        let per_seq = p.l.div_ceil(page);
+        let shape = match layout {
+            PageLayout::HeadMajor => (p.b * per_seq, p.hk, page, p.d),
+            PageLayout::SeqMajor => (p.b * per_seq, page, p.hk, p.d),
+        };
         Ok(Self {
-            q: rand((p.b, p.t, p.hq, p.d), p.dtype)?,
-            k_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
-            v_cache: rand((p.b, p.hk, p.l, p.d), p.kv_dtype)?,
+            q,
+            k_cache: rand(shape, p.kv_dtype)?,
+            v_cache: rand(shape, p.kv_dtype)?,
+            pages: Some((
+                shuffled_block_table(p.b, per_seq, dev)?,
+                Tensor::from_vec(vec![p.l as u32; p.b], p.b, dev)?,
+                layout,
+            )),
         })
     }
 
-    /// `(b, L, hk, d)` views of the cache: no copy.
+    /// `(b, L, hk, d)` views of the cache, or `(pages, page_size, hk, d)` views of the pool: no
+    /// copy.
     fn kv_views(&self) -> Result<(Tensor, Tensor)> {
-        Ok((self.k_cache.transpose(1, 2)?, self.v_cache.transpose(1, 2)?))
+        match self.pages {
+            Some((_, _, PageLayout::SeqMajor)) => Ok((self.k_cache.clone(), self.v_cache.clone())),
+            _ => Ok((self.k_cache.transpose(1, 2)?, self.v_cache.transpose(1, 2)?)),
+        }
+    }
+
+    /// `op` reading this set's pages, if paged.
+    fn paged_op(&self, op: SplitKvAttention) -> SplitKvAttention {
+        match &self.pages {
+            Some((table, lens, _)) => op
+                .with_block_table(table.clone())
+                .with_seqlens(lens.clone()),
+            None => op,
+        }
     }
 }
 
@@ -332,6 +407,14 @@ fn report(args: &Args, p: &Point, device: &str, backend: &str, us: f64, extra: s
         }
         if let Some(c) = args.softcap {
             obj.insert("softcap".into(), json!(c));
+        }
+        if let Some(page) = args.paged {
+            obj.insert("page_size".into(), json!(page));
+            let layout = match args.page_layout {
+                PageLayout::HeadMajor => "head_major",
+                PageLayout::SeqMajor => "seq_major",
+            };
+            obj.insert("page_layout".into(), json!(layout));
         }
     }
     if args.json {
@@ -400,12 +483,14 @@ fn bench_cpu(args: &Args) -> Result<()> {
         if p.dtype != DType::F32 {
             bail!("the CPU benchmark runs f32 (its read-loop ceiling reads f32); pass --dtype f32");
         }
-        let x = Inputs::random(&p, &dev)?;
+        let x = Inputs::random(&p, &dev, args.paging())?;
         let scale = 1.0 / (p.d as f64).sqrt();
-        let op = SplitKvAttention::new(scale as f32)
-            .with_num_splits(args.splits)
-            .with_window_left(args.window)
-            .with_softcap(args.softcap);
+        let op = x.paged_op(
+            SplitKvAttention::new(scale as f32)
+                .with_num_splits(args.splits)
+                .with_window_left(args.window)
+                .with_softcap(args.softcap),
+        );
         let (k, _) = x.kv_views()?;
         let splits = op.split_plan(&x.q, &k)?.num_splits;
         // The layout candle-nn's kernel reads, copied once outside the timing.
@@ -523,8 +608,9 @@ mod gpu {
         candle_splitkv::retain_freed_device_memory(&device)?;
         for p in points(args, true)? {
             let sets = rotation(&p);
+            // One block table for all sets: each set's pool holds its pages at the same places.
             let inputs: Vec<Inputs> = (0..sets)
-                .map(|_| Inputs::random(&p, &device))
+                .map(|_| Inputs::random(&p, &device, args.paging()))
                 .collect::<Result<_>>()?;
             let scale = 1.0 / (p.d as f64).sqrt();
             for kernel in args
@@ -532,11 +618,13 @@ mod gpu {
                 .iter()
                 .filter(|_| args.backend.includes(Backend::Splitkv))
             {
-                let op = SplitKvAttention::new(scale as f32)
-                    .with_num_splits(args.splits)
-                    .with_window_left(args.window)
-                    .with_softcap(args.softcap)
-                    .with_cuda_kernel(kernel.choice());
+                let op = inputs[0].paged_op(
+                    SplitKvAttention::new(scale as f32)
+                        .with_num_splits(args.splits)
+                        .with_window_left(args.window)
+                        .with_softcap(args.softcap)
+                        .with_cuda_kernel(kernel.choice()),
+                );
                 let (k, _) = inputs[0].kv_views()?;
                 let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
                 let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
@@ -577,8 +665,13 @@ fn main() -> Result<()> {
     if args.passes == 0 {
         bail!("--passes must be at least 1");
     }
-    if (args.window.is_some() || args.softcap.is_some()) && args.backend != Backend::Splitkv {
-        bail!("--window and --softcap time the split-KV op only; pass --backend splitkv");
+    if (args.window.is_some() || args.softcap.is_some() || args.paged.is_some())
+        && args.backend != Backend::Splitkv
+    {
+        bail!("--window, --softcap and --paged time the split-KV op only; pass --backend splitkv");
+    }
+    if args.paged == Some(0) {
+        bail!("--paged 0: a page holds at least one position");
     }
     if let Some(&t) = args
         .qlen

@@ -39,6 +39,13 @@ struct DecodeParams {
     int window_left;        // a query sees at most this many positions before its own; -1: all
     float softcap_log2;     // soft cap c·log2(e) of the base-2 scores (c·tanh(s/c)); 0: none
     float softcap_exp2;     // 2/c: e^(2s/c) of a natural score s is 2^(this · its base-2 score)
+    // Read by the paged forms only (kernels/paged_kv.cuh); k and v are then pools of pages whose
+    // page stride is k_batch_stride / v_batch_stride.
+    const uint32_t* block_table;  // (b, max_pages): each sequence's pages in order
+    int max_pages;          // entries per sequence in block_table
+    int page_size;          // positions per page
+    unsigned page_magic;    // pos / page_size = (umulhi(pos, page_magic) + pos) >> page_shift
+    int page_shift;
 };
 
 // The positions [start, end) that split `split` of a sequence of `len` cached positions streams.

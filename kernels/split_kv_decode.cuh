@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "paged_kv.cuh"
 #include "warp_merge.cuh"
 
 // Target bytes of K+V in flight per warp (the ring size).
@@ -37,7 +38,7 @@ template <typename T, int D, int GMAX> struct Tiling {
 
 // WINDOWED: the form that applies a sliding window (p.window_left) and soft-capping
 // (p.softcap_log2); a form of its own, so that the others' code is not touched by either.
-template <typename T, int D, int GMAX, bool WINDOWED>
+template <typename T, int D, int GMAX, bool WINDOWED, bool PAGED = false>
 __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     using Cfg = Tiling<T, D, GMAX>;
     constexpr int CHUNKS = Cfg::kChunks;
@@ -115,8 +116,14 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 
     T* ring = reinterpret_cast<T*>(smem) + (size_t)warp * STAGES * (Cfg::kStageBytes / sizeof(T));
     const int kv_source = kv_head / p.blocks_per_kv_head;  // the K/V head this block of queries reads
-    const T* k_base = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_source * p.k_head_stride;
-    const T* v_base = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_source * p.v_head_stride;
+    // Paged: row 0 of (page 0, the K/V head), each row found through the sequence's pages.
+    const T* k_base = PAGED
+        ? static_cast<const T*>(p.k) + kv_source * p.k_head_stride
+        : static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_source * p.k_head_stride;
+    const T* v_base = PAGED
+        ? static_cast<const T*>(p.v) + kv_source * p.v_head_stride
+        : static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_source * p.v_head_stride;
+    const uint32_t* pages = PAGED ? p.block_table + (long long)b * p.max_pages : nullptr;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
     auto load_tile = [&](int n) {
@@ -128,10 +135,22 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
             const int r = i / PIECES, c = i - r * PIECES;
             const bool valid = first + r < end;
             const long long pos = valid ? first + r : start;  // never form an address past the end
-            cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
-                       reinterpret_cast<const char*>(k_base + pos * p.k_seq_stride) + c * 16, valid);
-            cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
-                       reinterpret_cast<const char*>(v_base + pos * p.v_seq_stride) + c * 16, valid);
+            if constexpr (PAGED) {
+                const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
+                const T* k_row = k_base + at.page * p.k_batch_stride + at.row * p.k_seq_stride;
+                const T* v_row = v_base + at.page * p.v_batch_stride + at.row * p.v_seq_stride;
+                cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(k_row) + c * 16, valid);
+                cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(v_row) + c * 16, valid);
+            } else {
+                cp_async16(reinterpret_cast<char*>(k_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(k_base + pos * p.k_seq_stride) + c * 16,
+                           valid);
+                cp_async16(reinterpret_cast<char*>(v_s + r * D) + c * 16,
+                           reinterpret_cast<const char*>(v_base + pos * p.v_seq_stride) + c * 16,
+                           valid);
+            }
         }
     };
 #pragma unroll

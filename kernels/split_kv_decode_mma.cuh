@@ -32,6 +32,7 @@
 #include "cluster_merge.cuh"
 #include "common.cuh"
 #include "last_split_merge.cuh"
+#include "paged_kv.cuh"
 #include "warp_merge.cuh"
 
 // Bytes of K+V ring per warp: three 8 KiB stages at D = 128 (16 rows) and D = 64 (32 rows).
@@ -190,12 +191,12 @@ struct MmaItem {
     int len;          // positions of the sequence
     int shared_end;   // end, or below it the positions every query token sees (visible_end)
     int my_tiles;     // tiles of the chunk this warp streams
-    const char* k;    // row 0 of (b, kv_head)
+    const char* k;    // row 0 of (b, kv_head); paged: of (page 0, kv_head)
     const char* v;
 };
 
 // Item `index` counts splits fastest, then kv heads, then batches, like the one-item grid.
-template <typename KV, int ROWS, bool PERSISTENT, bool WINDOWED>
+template <typename KV, int ROWS, bool PERSISTENT, bool WINDOWED, bool PAGED>
 __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, int warp) {
     MmaItem it;
     if constexpr (PERSISTENT) {
@@ -220,10 +221,15 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
     const int kv_source = it.kv_head / p.blocks_per_kv_head;  // the K/V head this block reads
-    it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + it.b * p.k_batch_stride +
-                                         kv_source * p.k_head_stride);
-    it.v = reinterpret_cast<const char*>(static_cast<const KV*>(p.v) + it.b * p.v_batch_stride +
-                                         kv_source * p.v_head_stride);
+    if constexpr (PAGED) {
+        it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + kv_source * p.k_head_stride);
+        it.v = reinterpret_cast<const char*>(static_cast<const KV*>(p.v) + kv_source * p.v_head_stride);
+    } else {
+        it.k = reinterpret_cast<const char*>(static_cast<const KV*>(p.k) + it.b * p.k_batch_stride +
+                                             kv_source * p.k_head_stride);
+        it.v = reinterpret_cast<const char*>(static_cast<const KV*>(p.v) + it.b * p.v_batch_stride +
+                                             kv_source * p.v_head_stride);
+    }
     return it;
 }
 
@@ -239,9 +245,10 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
 // tiles, so that the first to stream a tile leaves it in L2 for the others.
 // WINDOWED: a sliding window (p.window_left) and soft-capping (p.softcap_log2), a form of its own
 // so that the others' code is not touched by either.
+// PAGED: K/V in a pool of pages read through the block table (kernels/paged_kv.cuh).
 // KV: the K/V storage type, T or fp8 (e4m3).
 template <typename T, typename KV, int D, int GMAX, bool PERSISTENT, bool LAST_CTA_MERGE,
-          bool LOCKSTEP, bool WINDOWED>
+          bool LOCKSTEP, bool WINDOWED, bool PAGED = false>
 __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     static_assert(sizeof(T) == 2, "tensor-core path is for 16-bit inputs");
     static_assert(D % 16 == 0, "head dim must be a multiple of 16");
@@ -310,11 +317,42 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
         lane_dst[j] = piece_offset<KV, D, GMAX>(lane_row + j * LANE_ROWS, lane_piece);
     const long long k_lane = lane_row * k_row_bytes + lane_piece * 16;
     const long long v_lane = lane_row * v_row_bytes + lane_piece * 16;
+    const long long k_page_bytes = p.k_batch_stride * (long long)sizeof(KV);
+    const long long v_page_bytes = p.v_batch_stride * (long long)sizeof(KV);
 
     const unsigned long long stream_policy = l2_evict_first_policy();
     auto load_tile = [&](int slot, const MmaItem& it, int n) {
         const int first = it.start + (warp + n * kWarps) * ROWS;
-        if (kLaneFixed && first + ROWS <= it.end) {
+        // Paged: each row looks its page up in the sequence's row of the block table (pages may
+        // be shorter than a tile).
+        const uint32_t* pages = PAGED ? p.block_table + (long long)it.b * p.max_pages : nullptr;
+        if constexpr (PAGED) {
+            if (kLaneFixed && first + ROWS <= it.end) {
+                const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
+                const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
+                // A lane's rows rise with j: the table is read once per page they reach.
+                PagedRow at = paged_row(p, pages, first + lane_row);
+                int page_start = first + lane_row - at.row;
+#pragma unroll
+                for (int j = 0; j < PER_LANE; ++j) {
+                    const int pos = first + lane_row + j * LANE_ROWS;
+                    if (pos >= page_start + p.page_size) {
+                        at = paged_row(p, pages, pos);
+                        page_start = pos - at.row;
+                    }
+                    const int row = pos - page_start;
+                    cp_async16_to_hint(k_dst + lane_dst[j],
+                                       it.k + at.page * k_page_bytes + row * k_row_bytes +
+                                           lane_piece * 16,
+                                       stream_policy);
+                    cp_async16_to_hint(v_dst + lane_dst[j],
+                                       it.v + at.page * v_page_bytes + row * v_row_bytes +
+                                           lane_piece * 16,
+                                       stream_policy);
+                }
+                return;
+            }
+        } else if (kLaneFixed && first + ROWS <= it.end) {
             const char* k_src = it.k + first * k_row_bytes + k_lane;
             const char* v_src = it.v + first * v_row_bytes + v_lane;
             const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
@@ -342,8 +380,16 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             const bool valid = first + r < it.end;
             const long long pos = valid ? first + r : it.start;  // never past the end
             const int dst = kLanesOnPieces ? piece_offset<KV, D, GMAX>(r, c) : i * 16;
-            cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
-            cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
+            if constexpr (PAGED) {
+                const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
+                cp_async16(k_s + dst, it.k + at.page * k_page_bytes + at.row * k_row_bytes + c * 16,
+                           valid);
+                cp_async16(v_s + dst, it.v + at.page * v_page_bytes + at.row * v_row_bytes + c * 16,
+                           valid);
+            } else {
+                cp_async16(k_s + dst, it.k + pos * k_row_bytes + c * 16, valid);
+                cp_async16(v_s + dst, it.v + pos * v_row_bytes + c * 16, valid);
+            }
         }
     };
 
@@ -398,7 +444,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     // loop consumes them, STAGES - 1 tiles ahead, skipping items where the warp has none.
     int load_index = first_item, load_n = 0, issued = 0;
     MmaItem load_item{};
-    if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, load_index, warp);
+    if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED, PAGED>(p, load_index, warp);
     const MmaItem first = load_item;
     // The first item's query before its K/V: issued behind the ring's copies, these few loads
     // would queue behind them and hold up the first tile's product.
@@ -412,7 +458,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             while (load_index < items && load_n >= load_item.my_tiles) {
                 load_index += item_stride;
                 load_n = 0;
-                if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, load_index, warp);
+                if (load_index < items) load_item = mma_item<KV, ROWS, PERSISTENT, WINDOWED, PAGED>(p, load_index, warp);
             }
         }
     };
@@ -450,7 +496,7 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
     }
     for (int index = first_item; index < items; index += item_stride) {
         const MmaItem it =
-            index == first_item ? first : mma_item<KV, ROWS, PERSISTENT, WINDOWED>(p, index, warp);
+            index == first_item ? first : mma_item<KV, ROWS, PERSISTENT, WINDOWED, PAGED>(p, index, warp);
 
         if (index != first_item) load_q(it);
 

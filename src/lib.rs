@@ -45,5 +45,6 @@ pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, Line
 pub use op::plan;
 pub use op::validate::{MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 pub use op::{
-    flash_decode, flash_decode_varlen, flash_decode_with_lse, CudaKernel, SplitKvAttention,
+    flash_decode, flash_decode_paged, flash_decode_varlen, flash_decode_with_lse, CudaKernel,
+    SplitKvAttention,
 };

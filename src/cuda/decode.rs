@@ -16,6 +16,7 @@ use super::memory::poison;
 use super::planner::{self, prepare};
 use super::wide_groups::query_blocks;
 use crate::op::call::DecodeCall;
+use crate::op::page_divisor::PageDivisor;
 use crate::op::plan::{SplitPlan, CHUNK_ALIGN, MAX_SPLITS};
 use crate::op::validate::RowStrides;
 
@@ -94,6 +95,21 @@ fn seqlens_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
     }
 }
 
+/// The device address of the block table, or 0 for a call without pages.
+fn block_table_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
+    let Some(t) = call.block_table else {
+        return Ok(0);
+    };
+    if !t.is_contiguous() {
+        bail!("split-kv attention: block_table must be contiguous")
+    }
+    // The op holds the tensor until the call returns.
+    match tensor_ptr::<u32>(t, dev)? {
+        Some(ptr) => Ok(ptr),
+        None => bail!("split-kv attention: block_table must be on q's CUDA device"),
+    }
+}
+
 /// T: the query and output type; KV: how K and V are stored (T, or fp8).
 fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
     call: &DecodeCall,
@@ -156,6 +172,8 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
             poison(&dev, scratch)?;
         }
     }
+    let pages = call.dims.pages;
+    let divisor = PageDivisor::new(pages.map_or(1, |p| p.page_size) as u32);
     let lse_ptr = lse.as_ref().map_or(0, |l| device_ptr(l, &dev, 0));
     let partial_out_ptr = scratch.as_ref().map_or(0, |s| device_ptr(s, &dev, 0));
     let partial_lse_ptr = scratch.as_ref().map_or(0, |s| {
@@ -202,9 +220,15 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
             .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
         softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
         softcap_exp2: call.softcap.map_or(0.0, |c| 2.0 / c),
+        block_table: block_table_ptr(call, &dev)?,
+        max_pages: pages.map_or(0, |p| p.max_pages) as i32,
+        page_size: pages.map_or(0, |p| p.page_size) as i32,
+        page_magic: divisor.magic,
+        page_shift: divisor.shift as i32,
     };
-    // SAFETY: the kernel reads q/k/v within the validated shapes and strides, reads seqlens for
-    // `batch` entries, and writes only the buffers allocated above, sized for this launch, and
+    // SAFETY: the kernel reads q/k/v within the validated shapes and strides (paged: within the
+    // pages the caller's block table names, which the docs make the caller's duty on CUDA),
+    // reads seqlens for `batch` entries, and writes only the buffers allocated above, sized for this launch, and
     // (last-CTA merge) the first `units` split counters, which it leaves at zero; it touches
     // global memory only after its launch dependency resolves.
     unsafe { launch_dependent(&launch.func, &dev, launch.cfg, launch.cluster, &params)? };

@@ -55,9 +55,12 @@ impl KernelForm {
             .any(|k| k.form == self && k.dtype == dtype && k.kv_dtype == kv_dtype)
     }
 
-    /// The partial-pass form on CUDA cores, with or without a window.
+    /// The partial-pass form on CUDA cores, with or without a window or pages.
     pub fn on_cuda_cores(self) -> bool {
-        matches!(self, KernelForm::CudaCore | KernelForm::CudaCoreWindowed)
+        matches!(
+            self,
+            KernelForm::CudaCore | KernelForm::CudaCoreWindowed | KernelForm::CudaCorePaged
+        )
     }
 
     /// The form of the same family that applies a sliding window and soft-capping, for the two
@@ -66,6 +69,18 @@ impl KernelForm {
         match self {
             KernelForm::CudaCore => Some(KernelForm::CudaCoreWindowed),
             KernelForm::TensorCore => Some(KernelForm::TensorCoreWindowed),
+            _ => None,
+        }
+    }
+
+    /// The form of the same family that reads K/V from a pool of pages, with a window and
+    /// soft-capping where `windowed`, for the two families the planner starts from; `None` for
+    /// the others.
+    pub fn paged(self, windowed: bool) -> Option<KernelForm> {
+        match (self, windowed) {
+            (KernelForm::CudaCore, _) => Some(KernelForm::CudaCorePaged),
+            (KernelForm::TensorCore, false) => Some(KernelForm::TensorCorePaged),
+            (KernelForm::TensorCore, true) => Some(KernelForm::TensorCoreWindowedPaged),
             _ => None,
         }
     }

@@ -78,7 +78,13 @@ pub(crate) fn prepare(
 ) -> Result<(DecodeKernel, SplitPlan)> {
     let dims = &blocks.dims;
     let mut family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
-    if call.window_left.is_some() || call.softcap.is_some() {
+    let windowed = call.window_left.is_some() || call.softcap.is_some();
+    if dims.pages.is_some() {
+        family = match family.paged(windowed) {
+            Some(paged) => paged,
+            None => bail!("split-kv attention: no paged form of the {family:?} kernels"),
+        };
+    } else if windowed {
         family = family.windowed().unwrap_or(family);
     }
     let kernel = DecodeKernel::load(dev, family, dtype, kv_dtype, dims)?;
@@ -161,8 +167,8 @@ fn cluster_plan(
 }
 
 /// The launch that merges the splits inside the partial pass, clusters of all the splits of one
-/// (batch, kv head), or `None` for another merge. Only for the one-item tensor-core kernels (with
-/// or without a window) on sm_90, 2 to [`MAX_CLUSTER`] splits, and where every cluster is resident
+/// (batch, kv head), or `None` for another merge. Only for the one-item tensor-core kernels (plain,
+/// windowed or paged) on sm_90, 2 to [`MAX_CLUSTER`] splits, and where every cluster is resident
 /// at once with one CTA per SM: left to itself the scheduler packs a cluster two CTAs to an SM,
 /// and half the SMs then stream a long context.
 fn merge_cluster(
@@ -174,7 +180,10 @@ fn merge_cluster(
 ) -> Result<Option<(ClusterDims, LaunchConfig)>> {
     let one_item = matches!(
         kernel.spec.form,
-        KernelForm::TensorCore | KernelForm::TensorCoreWindowed
+        KernelForm::TensorCore
+            | KernelForm::TensorCoreWindowed
+            | KernelForm::TensorCorePaged
+            | KernelForm::TensorCoreWindowedPaged
     );
     if !one_item || !(2..=MAX_CLUSTER).contains(&splits) {
         return Ok(None);

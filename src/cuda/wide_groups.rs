@@ -90,6 +90,7 @@ mod tests {
             head_dim: 128,
             kv_len: 1000,
             q_len: 1,
+            pages: None,
         }
     }
 

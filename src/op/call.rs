@@ -34,6 +34,9 @@ pub(crate) struct DecodeCall<'a> {
     pub num_splits: Option<usize>,
     /// u32 `(batch,)` lengths, checked for shape, dtype and device.
     pub seqlens_k: Option<&'a Tensor>,
+    /// u32 `(batch, max_pages)` page indices when K/V are paged (`dims.pages`), checked for
+    /// shape, dtype and device.
+    pub block_table: Option<&'a Tensor>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub cuda_kernel: CudaKernel,
     /// Whether the caller waits for the log-sum-exp.

@@ -115,28 +115,50 @@ pub(crate) fn forward(
 ) -> Result<(CpuStorage, Vec<f32>)> {
     let seqlens = match call.seqlens_k {
         None => None,
-        Some(seqlens) => {
-            let lens = seqlens.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
-            validate::check_seqlen_values(&lens, call.dims.kv_len)?;
-            Some(lens)
-        }
+        Some(seqlens) => Some(seqlens.to_device(&Device::Cpu)?.to_vec1::<u32>()?),
     };
+    let table = match (call.dims.pages, call.block_table, &seqlens) {
+        (Some(pages), Some(table), Some(lens)) => {
+            let table = table
+                .to_device(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<u32>()?;
+            validate::check_block_table_values(&table, lens, pages)?;
+            Some(table)
+        }
+        (None, None, _) => None,
+        _ => bail!("split-kv attention: a paged call needs its block table and seqlens_k"),
+    };
+    if let Some(lens) = &seqlens {
+        validate::check_seqlen_values(lens, call.dims.kv_len)?;
+    }
+    let pages = table
+        .as_deref()
+        .zip(call.dims.pages)
+        .map(|(table, dims)| PageTable {
+            table,
+            page_size: dims.page_size,
+            max_pages: dims.max_pages,
+        });
     let plan = call.split_plan(parallel_slots(), MIN_CHUNK);
     let layouts = [q_layout, k_layout, v_layout];
-    let lens = seqlens.as_deref();
+    let rows = KvRowsOf {
+        seqlens: seqlens.as_deref(),
+        pages,
+    };
     match (k, v) {
         (CpuStorage::F8E4M3(k), CpuStorage::F8E4M3(v)) => {
-            decode_storage(call, lens, layouts, plan, (q, k, v))
+            decode_storage(call, rows, layouts, plan, (q, k, v))
         }
         _ => match (q, k, v) {
             (CpuStorage::F32(_), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                decode_storage(call, lens, layouts, plan, (q, k, v))
+                decode_storage(call, rows, layouts, plan, (q, k, v))
             }
             (CpuStorage::F16(_), CpuStorage::F16(k), CpuStorage::F16(v)) => {
-                decode_storage(call, lens, layouts, plan, (q, k, v))
+                decode_storage(call, rows, layouts, plan, (q, k, v))
             }
             (CpuStorage::BF16(_), CpuStorage::BF16(k), CpuStorage::BF16(v)) => {
-                decode_storage(call, lens, layouts, plan, (q, k, v))
+                decode_storage(call, rows, layouts, plan, (q, k, v))
             }
             _ => bail!(
                 "split-kv attention: unsupported dtypes q {:?}, k {:?}, v {:?}; use f32, f16 or \
@@ -149,25 +171,51 @@ pub(crate) fn forward(
     }
 }
 
+/// Which K/V positions each sequence has and where they lie, read from the host copies of the
+/// call's lengths and block table.
+#[derive(Debug, Clone, Copy)]
+struct KvRowsOf<'a> {
+    seqlens: Option<&'a [u32]>,
+    pages: Option<PageTable<'a>>,
+}
+
+/// A paged call's block table on the host, its values checked.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PageTable<'a> {
+    /// `(batch, max_pages)`, row-major.
+    pub table: &'a [u32],
+    pub page_size: usize,
+    pub max_pages: usize,
+}
+
+impl PageTable<'_> {
+    /// The page holding position `pos` of sequence `batch`, and the row within it.
+    #[inline]
+    fn locate(&self, batch: usize, pos: usize) -> (usize, usize) {
+        let page = self.table[batch * self.max_pages + pos / self.page_size] as usize;
+        (page, pos % self.page_size)
+    }
+}
+
 /// [`decode_slices`] for q's storage, whatever its dtype, over K/V of element type `KV`.
 fn decode_storage<KV: Element>(
     call: &DecodeCall,
-    seqlens: Option<&[u32]>,
+    rows: KvRowsOf,
     layouts: [&Layout; 3],
     plan: SplitPlan,
     (q, k, v): (&CpuStorage, &[KV], &[KV]),
 ) -> Result<(CpuStorage, Vec<f32>)> {
     Ok(match q {
         CpuStorage::F32(q) => {
-            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
+            let (out, lse) = decode_slices(call, rows, layouts, plan, (q, k, v));
             (CpuStorage::F32(out), lse)
         }
         CpuStorage::F16(q) => {
-            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
+            let (out, lse) = decode_slices(call, rows, layouts, plan, (q, k, v));
             (CpuStorage::F16(out), lse)
         }
         CpuStorage::BF16(q) => {
-            let (out, lse) = decode_slices(call, seqlens, layouts, plan, (q, k, v));
+            let (out, lse) = decode_slices(call, rows, layouts, plan, (q, k, v));
             (CpuStorage::BF16(out), lse)
         }
         other => bail!(
@@ -181,7 +229,7 @@ fn decode_storage<KV: Element>(
 /// (q, k, v).
 fn decode_slices<T: Element, KV: Element>(
     call: &DecodeCall,
-    seqlens: Option<&[u32]>,
+    rows: KvRowsOf,
     [q_layout, k_layout, v_layout]: [&Layout; 3],
     plan: SplitPlan,
     (q, k, v): (&[T], &[KV], &[KV]),
@@ -193,7 +241,8 @@ fn decode_slices<T: Element, KV: Element>(
         k_strides: RowStrides::of(k_layout),
         v,
         v_strides: RowStrides::of(v_layout),
-        seqlens,
+        seqlens: rows.seqlens,
+        pages: rows.pages,
         dims: call.dims,
         softmax_scale: call.softmax_scale,
         k_scale: call.k_scale,
@@ -214,6 +263,8 @@ pub(crate) struct DecodeInputs<'a, T, KV> {
     pub v_strides: RowStrides,
     /// Per-sequence lengths, each at most `dims.kv_len`; `None` means all equal `dims.kv_len`.
     pub seqlens: Option<&'a [u32]>,
+    /// Paged K/V: k and v are pools of pages, found through this table.
+    pub pages: Option<PageTable<'a>>,
     pub dims: DecodeDims,
     pub softmax_scale: f32,
     /// The real K and V are the stored values times these.
@@ -223,6 +274,21 @@ pub(crate) struct DecodeInputs<'a, T, KV> {
     pub window_left: Option<usize>,
     /// Scores become `c·tanh(s/c)` with this c.
     pub softcap: Option<f32>,
+}
+
+impl<T, KV> DecodeInputs<'_, T, KV> {
+    /// Where position `pos` of sequence `batch`'s K/V head `head` starts in k or v, laid out as
+    /// `strides`.
+    #[inline]
+    fn kv_row(&self, strides: RowStrides, batch: usize, pos: usize, head: usize) -> usize {
+        match &self.pages {
+            None => strides.row(batch, pos, head),
+            Some(pages) => {
+                let (page, row) = pages.locate(batch, pos);
+                strides.row(page, row, head)
+            }
+        }
+    }
 }
 
 /// Runs the op. Returns the output `(b, q_len, h_q, d)` contiguous in `T`, and the natural-log
@@ -377,7 +443,7 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
         let tile_len = TILE.min(end - tile_start);
         for t in 0..tile_len {
             let pos = tile_start + t;
-            let at = inputs.k_strides.row(batch, pos, kv_head);
+            let at = inputs.kv_row(inputs.k_strides, batch, pos, kv_head);
             let key = KV::row_f32(&inputs.k[at..at + d], &mut row_buf);
             for (row, query) in queries.chunks_exact(d).enumerate() {
                 probs[row * TILE + t] = if pos < visible(row) && pos >= first_seen(row) {
@@ -403,7 +469,7 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
             state.add_weight(scores.iter().sum());
         }
         for t in 0..tile_len {
-            let at = inputs.v_strides.row(batch, tile_start + t, kv_head);
+            let at = inputs.kv_row(inputs.v_strides, batch, tile_start + t, kv_head);
             let value = KV::row_f32(&inputs.v[at..at + d], &mut row_buf);
             for (row, state) in states.iter_mut().enumerate() {
                 S::axpy(probs[row * TILE + t], value, state.acc_mut());
@@ -550,6 +616,7 @@ mod tests {
             head_dim: d,
             kv_len: len,
             q_len: 1,
+            pages: None,
         };
         let q_strides = RowStrides {
             offset: 0,
@@ -571,6 +638,7 @@ mod tests {
             v: &v,
             v_strides: kv_strides,
             seqlens: None,
+            pages: None,
             dims,
             softmax_scale: 2.0,
             k_scale: 1.0,

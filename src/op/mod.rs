@@ -7,6 +7,7 @@
 pub(crate) mod call;
 pub(crate) mod cpu;
 mod merge;
+pub(crate) mod page_divisor;
 pub mod plan;
 pub(crate) mod validate;
 
@@ -59,6 +60,14 @@ pub struct SplitKvAttention {
     /// Logit soft-capping: scores (after `softmax_scale`) become `c·tanh(s/c)` before the
     /// softmax (Gemma-2: c = 50). `None`: plain scores. Finite and positive.
     pub softcap: Option<f32>,
+    /// Paged K/V: u32 `(batch, max_pages_per_seq)` on q's device. k and v are then a pool
+    /// `(num_pages, page_size, kv_heads, head_dim)` (only the last dim contiguous, so a head-major
+    /// pool goes in as a transposed view), and position p of sequence b is row `p % page_size`
+    /// of page `block_table[b][p / page_size]`. Needs [`SplitKvAttention::seqlens_k`]; entries
+    /// past a sequence's last page are never read. On the CPU a page index outside the pool, or
+    /// a row too short for its sequence's length, is an error; on CUDA, where checking would need
+    /// a host synchronisation, the table is trusted: a bad entry reads outside the pool.
+    pub block_table: Option<Tensor>,
     lse_slot: Option<LseSlot>,
     #[cfg(feature = "test-hooks")]
     poison_outputs: bool,
@@ -76,6 +85,7 @@ impl SplitKvAttention {
             v_scale: 1.0,
             window_left: None,
             softcap: None,
+            block_table: None,
             lse_slot: None,
             #[cfg(feature = "test-hooks")]
             poison_outputs: false,
@@ -120,6 +130,13 @@ impl SplitKvAttention {
         self
     }
 
+    /// Reads K/V from a pool of pages through `block_table` (see
+    /// [`SplitKvAttention::block_table`]).
+    pub fn with_block_table(mut self, block_table: Tensor) -> Self {
+        self.block_table = Some(block_table);
+        self
+    }
+
     /// Test hook (feature `test-hooks`): fill the output and the split scratch with NaN before
     /// the kernels run, so that any element they fail to write shows up.
     #[cfg(feature = "test-hooks")]
@@ -130,11 +147,16 @@ impl SplitKvAttention {
 
     /// Validates the inputs and runs the op.
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let dims = validate::check_tensors(q, k, v)?;
+        let dims = validate::check_tensors(q, k, v, self.block_table.as_ref())?;
         validate::check_num_splits(self.num_splits)?;
         validate::check_window_and_softcap(self.window_left, self.softcap)?;
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
+        } else if dims.pages.is_some() {
+            bail!(
+                "split-kv attention: a paged call needs seqlens_k, the length of each sequence \
+                 (with_seqlens)"
+            )
         }
         // Without per-sequence lengths, the keys a window leaves out are cut off here, so that
         // the split plan covers only the ones that are read.
@@ -175,7 +197,7 @@ impl SplitKvAttention {
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
     pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
-        let dims = validate::check_tensors(q, k, k)?;
+        let dims = validate::check_tensors(q, k, k, self.block_table.as_ref())?;
         let call = self.call(dims)?;
         match q.device() {
             Device::Cpu => Ok(call.split_plan(cpu::parallel_slots(), plan::MIN_CHUNK)),
@@ -201,6 +223,7 @@ impl SplitKvAttention {
             softcap: self.softcap,
             num_splits: self.num_splits,
             seqlens_k: self.seqlens_k.as_ref(),
+            block_table: self.block_table.as_ref(),
             cuda_kernel: self.cuda_kernel,
             want_lse: self.lse_slot.is_some(),
             #[cfg(feature = "test-hooks")]
@@ -260,6 +283,33 @@ pub fn flash_decode_varlen(
         .forward(q, k, v)
 }
 
+/// Decode attention over K/V kept in pages: sequence b's position p is row `p % page_size` of
+/// page `block_table[b][p / page_size]` of `k_pages` and `v_pages`, and it attends to its first
+/// `seqlens_k[b]` positions.
+///
+/// - `k_pages`, `v_pages`: `(num_pages, page_size, kv_heads, head_dim)`, only the last dim
+///   contiguous (a head-major pool `(num_pages, kv_heads, page_size, head_dim)` goes in
+///   transposed); any page size from 1 up.
+/// - `block_table`: u32 `(batch, max_pages_per_seq)`; `seqlens_k`: u32 `(batch,)`, each at most
+///   `max_pages_per_seq · page_size`. Both on q's device.
+///
+/// Everything else is as for [`flash_decode`]. A page index outside the pool, or a table row too
+/// short for its sequence, is an error on the CPU; on CUDA the table is not checked (that would
+/// need a host synchronisation), and such an entry reads outside the pool.
+pub fn flash_decode_paged(
+    q: &Tensor,
+    k_pages: &Tensor,
+    v_pages: &Tensor,
+    block_table: &Tensor,
+    seqlens_k: &Tensor,
+    softmax_scale: f32,
+) -> Result<Tensor> {
+    SplitKvAttention::new(softmax_scale)
+        .with_block_table(block_table.clone())
+        .with_seqlens(seqlens_k.clone())
+        .forward(q, k_pages, v_pages)
+}
+
 /// Whether the op takes `t` query tokens per sequence: 1 to
 /// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS), on every device.
 pub(crate) fn takes_query_tokens(t: usize) -> bool {
@@ -284,6 +334,7 @@ impl CustomOp3 for SplitKvAttention {
             (q.dtype(), q_layout),
             (k.dtype(), k_layout),
             (v.dtype(), v_layout),
+            self.block_table.as_ref().map(Tensor::dims),
         )?;
         let call = self.call(dims)?;
         let (out, lse) = cpu::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
@@ -308,6 +359,7 @@ impl CustomOp3 for SplitKvAttention {
             (q.dtype(), q_layout),
             (k.dtype(), k_layout),
             (v.dtype(), v_layout),
+            self.block_table.as_ref().map(Tensor::dims),
         )?;
         let call = self.call(dims)?;
         let (out, lse) = crate::cuda::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;

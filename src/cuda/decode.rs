@@ -80,33 +80,19 @@ fn check_alignment(
     Ok(())
 }
 
-/// The device address of `seqlens_k`, or 0 without lengths.
-fn seqlens_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
-    let Some(t) = call.seqlens_k else {
+/// The device address of the call's u32 tensor `name` (`seqlens_k`, `block_table`), or 0 where
+/// the call has none.
+fn u32_ptr(name: &str, t: Option<&Tensor>, dev: &CudaDevice) -> Result<u64> {
+    let Some(t) = t else {
         return Ok(0);
     };
     if !t.is_contiguous() {
-        bail!("split-kv attention: seqlens_k must be contiguous")
+        bail!("split-kv attention: {name} must be contiguous")
     }
     // The op holds the tensor until the call returns.
     match tensor_ptr::<u32>(t, dev)? {
         Some(ptr) => Ok(ptr),
-        None => bail!("split-kv attention: seqlens_k must be on q's CUDA device"),
-    }
-}
-
-/// The device address of the block table, or 0 for a call without pages.
-fn block_table_ptr(call: &DecodeCall, dev: &CudaDevice) -> Result<u64> {
-    let Some(t) = call.block_table else {
-        return Ok(0);
-    };
-    if !t.is_contiguous() {
-        bail!("split-kv attention: block_table must be contiguous")
-    }
-    // The op holds the tensor until the call returns.
-    match tensor_ptr::<u32>(t, dev)? {
-        Some(ptr) => Ok(ptr),
-        None => bail!("split-kv attention: block_table must be on q's CUDA device"),
+        None => bail!("split-kv attention: {name} must be on q's CUDA device"),
     }
 }
 
@@ -188,7 +174,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         lse_out: lse_ptr,
         partial_out: partial_out_ptr,
         partial_lse: partial_lse_ptr,
-        seqlens: seqlens_ptr(call, &dev)?,
+        seqlens: u32_ptr("seqlens_k", call.seqlens_k, &dev)?,
         split_counters: launch.counters.unwrap_or(0),
         q_batch_stride: q_strides.batch as i64,
         q_seq_stride: q_strides.seq as i64,
@@ -220,7 +206,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
             .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
         softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
         softcap_exp2: call.softcap.map_or(0.0, |c| 2.0 / c),
-        block_table: block_table_ptr(call, &dev)?,
+        block_table: u32_ptr("block_table", call.block_table, &dev)?,
         max_pages: pages.map_or(0, |p| p.max_pages) as i32,
         page_size: pages.map_or(0, |p| p.page_size) as i32,
         page_magic: divisor.magic,

@@ -127,20 +127,7 @@ fn next_char_boundary(text: &str, pos: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_tokenizer;
-
-    /// A stand-in tokenizer: one token per run of non-whitespace.
-    fn word_starts(text: &str) -> Vec<usize> {
-        let mut starts = Vec::new();
-        let mut in_word = false;
-        for (i, c) in text.char_indices() {
-            if !c.is_whitespace() && !in_word {
-                starts.push(i);
-            }
-            in_word = !c.is_whitespace();
-        }
-        starts
-    }
+    use crate::summarize::test_tokenizer::{word_starts, word_tokenizer};
 
     fn chunks(text: &str, budget: usize) -> Vec<&str> {
         let chunks = split_into_chunks(text, &word_starts(text), budget);

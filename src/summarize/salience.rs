@@ -191,20 +191,8 @@ impl<'t> Selection<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::summarize::test_tokenizer::word_starts;
     use crate::summarize::topic_words::topic_words;
-
-    /// One token per run of non-whitespace.
-    fn word_starts(text: &str) -> Vec<usize> {
-        let mut starts = Vec::new();
-        let mut in_word = false;
-        for (i, c) in text.char_indices() {
-            if !c.is_whitespace() && !in_word {
-                starts.push(i);
-            }
-            in_word = !c.is_whitespace();
-        }
-        starts
-    }
 
     fn select(text: &str, budget: usize) -> Vec<&str> {
         select_salient_sentences(text, &word_starts(text), budget, &topic_words(text))

@@ -14,3 +14,16 @@ pub(crate) fn word_tokenizer() -> Tokenizer {
     tokenizer.with_pre_tokenizer(Some(WhitespaceSplit));
     tokenizer
 }
+
+/// Where [`word_tokenizer`]'s tokens start: one per run of non-whitespace.
+pub(crate) fn word_starts(text: &str) -> Vec<usize> {
+    let mut starts = Vec::new();
+    let mut in_word = false;
+    for (i, c) in text.char_indices() {
+        if !c.is_whitespace() && !in_word {
+            starts.push(i);
+        }
+        in_word = !c.is_whitespace();
+    }
+    starts
+}

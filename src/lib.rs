@@ -42,6 +42,7 @@ pub use fp8::{dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, E4M3_MAX};
 pub use nn::attention::{self, cached_attention, AttentionBackend, CachedAttention};
 pub use nn::cache::{self, KvCache, KvCacheConfig};
 pub use nn::fused_linear::{self, fused_linear, linear_unfused, LinearInput, LinearOutput};
+pub use nn::paged_cache::{self, PagedKvCache, PagedKvCacheConfig, PagedStep, SequenceId};
 pub use op::plan;
 pub use op::validate::{MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 pub use op::{

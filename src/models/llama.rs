@@ -16,6 +16,7 @@ mod device_step;
 mod gguf;
 mod hf;
 mod joined;
+mod paged;
 mod rope;
 
 use std::cell::RefCell;
@@ -27,6 +28,7 @@ use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use super::linear::Linear;
 use crate::nn::attention::{CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
+use crate::nn::paged_cache::{PagedKvCache, PagedStep};
 
 pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
 pub use crate::nn::attention::AttentionBackend;
@@ -135,15 +137,41 @@ impl Positions<'_> {
             Positions::Recorded(_) | Positions::Device(_) => Rows::BySize,
         }
     }
+}
 
-    /// Appends k and v to `cache` and attends q over it.
+/// Where one layer's keys and values go: the model's own cache of the layer, at `Positions`, or
+/// layer `layer` of a paged cache, at the step's positions (multiplied in the form `rows`).
+enum LayerKv<'a> {
+    Own(&'a mut KvCache, Positions<'a>),
+    Paged {
+        cache: &'a PagedKvCache,
+        layer: usize,
+        step: &'a PagedStep,
+        rows: Rows,
+    },
+}
+
+impl LayerKv<'_> {
+    fn rows(&self) -> Rows {
+        match self {
+            LayerKv::Own(_, positions) => positions.rows(),
+            LayerKv::Paged { rows, .. } => *rows,
+        }
+    }
+
+    /// Appends k and v to the layer's cache and attends q over it.
     fn attend(
         self,
         attention: &CachedAttention,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
-        cache: &mut KvCache,
     ) -> Result<Tensor> {
-        match self {
+        let (cache, positions) = match self {
+            LayerKv::Own(cache, positions) => (cache, positions),
+            LayerKv::Paged {
+                cache, layer, step, ..
+            } => return attention.forward_paged(q, k, v, cache, layer, step),
+        };
+        match positions {
             Positions::Host(Rows::BySize) => attention.forward(q, k, v, cache),
             Positions::Host(Rows::AsDecode) => attention.forward_as_steps(q, k, v, cache),
             Positions::Recorded(record) => {
@@ -170,16 +198,16 @@ struct SelfAttention {
 }
 
 impl SelfAttention {
-    /// `x (b, t, hidden)` → `(b, t, hidden)`; appends this step's keys and values to `cache`.
+    /// `x (b, t, hidden)` → `(b, t, hidden)`; appends this step's keys and values where `kv`
+    /// says.
     fn forward(
         &self,
         x: &Tensor,
         angles: &RopeAngles,
         attention: &CachedAttention,
-        cache: &mut KvCache,
-        positions: Positions,
+        kv: LayerKv,
     ) -> Result<Tensor> {
-        let rows = positions.rows();
+        let rows = kv.rows();
         let (b, t, _) = x.dims3()?;
         let q = rows
             .project(&self.q_proj, x)?
@@ -196,7 +224,7 @@ impl SelfAttention {
         };
         let q = angles.apply(&q)?;
         let k = angles.apply(&k)?;
-        let y = positions.attend(attention, (&q, &k, &v), cache)?;
+        let y = kv.attend(attention, (&q, &k, &v))?;
         rows.project(
             &self.o_proj,
             &y.reshape((b, t, self.q_heads * self.head_dim))?,
@@ -247,20 +275,18 @@ impl DecoderLayer {
         x: &Tensor,
         angles: &RopeAngles,
         attention: &CachedAttention,
-        cache: &mut KvCache,
-        positions: Positions,
+        kv: LayerKv,
     ) -> Result<Tensor> {
+        let rows = kv.rows();
         let h = self.input_norm.forward(x)?;
-        let mut h = self
-            .attention
-            .forward(&h, angles, attention, cache, positions)?;
+        let mut h = self.attention.forward(&h, angles, attention, kv)?;
         if let Some(norms) = &self.output_norms {
             h = norms.attention.forward(&h)?;
         }
         let x = (x + h)?;
         let mut h = self
             .mlp
-            .forward(&self.post_attention_norm.forward(&x)?, positions.rows())?;
+            .forward(&self.post_attention_norm.forward(&x)?, rows)?;
         if let Some(norms) = &self.output_norms {
             h = norms.mlp.forward(&h)?;
         }
@@ -274,6 +300,32 @@ impl DecoderLayer {
 enum Layer {
     Separate(Box<DecoderLayer>),
     Joined(JoinedLayer),
+}
+
+impl Layer {
+    /// `x (b, t, hidden)` → `(b, t, hidden)`, its keys and values going where `kv` says.
+    fn forward(
+        &self,
+        x: &Tensor,
+        angles: &RopeAngles,
+        attention: &CachedAttention,
+        fused_decode: bool,
+        kv: LayerKv,
+    ) -> Result<Tensor> {
+        match self {
+            Layer::Separate(layer) => layer.forward(x, angles, attention, kv),
+            Layer::Joined(layer) => layer.forward(x, angles, attention, fused_decode, kv),
+        }
+    }
+}
+
+/// The attention of layer `index`: the model's, with the layer's window.
+fn layer_attention(
+    attention: &CachedAttention,
+    config: &LlamaConfig,
+    index: usize,
+) -> CachedAttention {
+    attention.with_window_left(config.window_left(index))
 }
 
 /// The weights of a model, however they were loaded.
@@ -290,7 +342,8 @@ enum Head {
     Joined(JoinedHead),
 }
 
-/// A Llama model with one KV cache per layer, for one sequence at a time.
+/// A Llama model with one KV cache per layer for one sequence at a time; batches of sequences
+/// decode over a [`PagedKvCache`] (see [`Llama::forward_paged`]).
 #[derive(Debug, Clone)]
 pub struct Llama {
     config: LlamaConfig,
@@ -736,19 +789,14 @@ impl Llama {
         angles: &RopeAngles,
         positions: Positions,
     ) -> Result<Tensor> {
-        let layers = self.weights.layers.iter().zip(self.caches.iter_mut());
-        for (index, (layer, cache)) in layers.enumerate() {
-            let attention = self
-                .attention
-                .with_window_left(self.config.window_left(index));
-            x = match layer {
-                Layer::Separate(layer) => {
-                    layer.forward(&x, angles, &attention, cache, positions)?
-                }
-                Layer::Joined(layer) => {
-                    layer.forward(&x, angles, &attention, cache, self.fused_decode, positions)?
-                }
+        let mut caches = self.caches.iter_mut();
+        for (index, layer) in self.weights.layers.iter().enumerate() {
+            let Some(cache) = caches.next() else {
+                bail!("model: layer {index} has no cache")
             };
+            let attention = layer_attention(&self.attention, &self.config, index);
+            let kv = LayerKv::Own(cache, positions);
+            x = layer.forward(&x, angles, &attention, self.fused_decode, kv)?;
         }
         Ok(x)
     }

@@ -1,4 +1,5 @@
-//! Attention over a [`KvCache`], the drop-in piece for candle models.
+//! Attention over a [`KvCache`], the drop-in piece for candle models, or over one layer of a
+//! [`crate::PagedKvCache`] (`CachedAttention::forward_paged`).
 //!
 //! A model computes q, k and v, applies RoPE, and hands them to [`CachedAttention::forward`]
 //! together with the layer's cache. The new keys and values are written into the cache in place;
@@ -7,6 +8,8 @@
 //!
 //! Every path reads the cache's stored K/V with its scales (real = stored × scale), so an fp8
 //! cache attends to the same real values on all of them.
+
+mod paged;
 
 use candle_core::{bail, DType, Result, Tensor};
 

@@ -52,8 +52,25 @@ pub struct PagedStep {
     /// u32 `(batch · t · kv_heads, head_dim)`: the row of a layer's pool, flattened to
     /// `(num_pages · kv_heads · page_size, head_dim)`, of each new (sequence, token, head).
     rows: Tensor,
-    batch: usize,
+    ids: Vec<SequenceId>,
     t: usize,
+}
+
+impl PagedStep {
+    /// The step's sequences, in the order of its batch.
+    pub fn ids(&self) -> &[SequenceId] {
+        &self.ids
+    }
+
+    /// Sequences in the step.
+    pub fn batch(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// New positions per sequence.
+    pub fn t(&self) -> usize {
+        self.t
+    }
 }
 
 /// Keys and values of every layer for many sequences, in pools of pages (see the module docs).
@@ -242,7 +259,7 @@ impl PagedKvCache {
     ) -> Result<()> {
         let c = &self.config;
         let (k_pool, v_pool) = (self.pool(&self.k, layer)?, self.pool(&self.v, layer)?);
-        let want = [step.batch, step.t, c.kv_heads, c.head_dim];
+        let want = [step.batch(), step.t, c.kv_heads, c.head_dim];
         for (name, x) in [("k", k_new), ("v", v_new)] {
             if x.dims() != want || x.dtype() != c.dtype {
                 bail!(
@@ -254,7 +271,7 @@ impl PagedKvCache {
             }
         }
         let flat_rows = c.num_pages * c.kv_heads * c.page_size;
-        let rows = step.batch * step.t * c.kv_heads;
+        let rows = step.batch() * step.t * c.kv_heads;
         for (pool, x) in [(k_pool, k_new), (v_pool, v_new)] {
             let source = x.contiguous()?.reshape((rows, c.head_dim))?;
             pool.reshape((flat_rows, c.head_dim))?
@@ -269,6 +286,29 @@ impl PagedKvCache {
         Ok((
             self.pool(&self.k, layer)?.transpose(1, 2)?,
             self.pool(&self.v, layer)?.transpose(1, 2)?,
+        ))
+    }
+
+    /// Layer `layer`'s keys and values of sequence `id`, gathered from its pages into
+    /// `(1, len, kv_heads, head_dim)` views of head-major copies: what attention over a whole
+    /// prompt, which the op does not take, reads.
+    pub fn sequence_kv(&self, layer: usize, id: SequenceId) -> Result<(Tensor, Tensor)> {
+        let c = &self.config;
+        let sequence = self.sequence(id)?;
+        let used = sequence.len.div_ceil(c.page_size);
+        let pages = Tensor::from_slice(&sequence.pages[..used], used, &c.device)?;
+        let gather = |pool: &Tensor| -> Result<Tensor> {
+            pool.index_select(&pages, 0)?
+                .transpose(0, 1)?
+                .contiguous()?
+                .reshape((c.kv_heads, used * c.page_size, c.head_dim))?
+                .narrow(1, 0, sequence.len)?
+                .unsqueeze(0)?
+                .transpose(1, 2)
+        };
+        Ok((
+            gather(self.pool(&self.k, layer)?)?,
+            gather(self.pool(&self.v, layer)?)?,
         ))
     }
 
@@ -360,7 +400,7 @@ impl PagedKvCache {
             block_table,
             seqlens,
             rows: Tensor::from_vec(rows, (rows_len, c.head_dim), &c.device)?,
-            batch: ids.len(),
+            ids: ids.to_vec(),
             t,
         })
     }

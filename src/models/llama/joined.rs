@@ -6,9 +6,8 @@
 use candle_core::{Result, Tensor};
 
 use super::rope::RopeAngles;
-use super::Positions;
+use super::LayerKv;
 use crate::nn::attention::CachedAttention;
-use crate::nn::cache::KvCache;
 use crate::nn::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 
 /// The dense weights of one layer, in the layout the fused kernels read.
@@ -82,15 +81,14 @@ impl JoinedLayer {
 
     /// `x (b, t, hidden)` → `(b, t, hidden)`, residual adds included. `fused` false runs every
     /// projection through candle's ops (for A/B runs); prompts take that path anyway. The keys
-    /// and values go where `positions` says.
+    /// and values go where `kv` says.
     pub fn forward(
         &self,
         x: &Tensor,
         angles: &RopeAngles,
         attention: &CachedAttention,
-        cache: &mut KvCache,
         fused: bool,
-        positions: Positions,
+        kv: LayerKv,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (q_size, kv_size) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
@@ -122,8 +120,8 @@ impl JoinedLayer {
             self.kv_heads,
             self.head_dim,
         ))?;
-        let y = positions
-            .attend(attention, (&q, &k, &v), cache)?
+        let y = kv
+            .attend(attention, (&q, &k, &v))?
             .reshape((b, t, q_size))?;
         let x = project(
             fused,

@@ -1,0 +1,122 @@
+//! Batched decoding over a [`PagedKvCache`]: several sequences of different lengths in one pass,
+//! the weights read once for all of them. Sequences join (their prompt run on its own) and leave
+//! between passes, which is continuous batching; the caller decides who runs when.
+
+use candle_core::{bail, Result, Tensor};
+
+use super::{layer_attention, LayerKv, Llama, Rows};
+use crate::nn::paged_cache::{PagedKvCache, PagedKvCacheConfig, SequenceId};
+
+impl Llama {
+    /// A paged cache for this model: `num_pages` pages of `page_size` positions per layer, in
+    /// the model's cache dtype (f32, f16 or bf16) on its device.
+    pub fn paged_cache(&self, num_pages: usize, page_size: usize) -> Result<PagedKvCache> {
+        PagedKvCache::new(&PagedKvCacheConfig {
+            layers: self.config.num_hidden_layers,
+            num_pages,
+            page_size,
+            kv_heads: self.config.num_key_value_heads,
+            head_dim: self.config.head_dim,
+            dtype: self.cache_dtype(),
+            device: self.device.clone(),
+        })
+    }
+
+    /// Runs `t` new tokens of each sequence `ids[s]` after what `cache` holds of it, in one
+    /// pass, and returns the f32 logits `(batch, vocab)` of each sequence's last token.
+    ///
+    /// `tokens` is `(batch, t)` row-major: `tokens[s·t .. (s+1)·t]` belong to `ids[s]`. One
+    /// token per sequence is a decode step: every sequence's row is computed as
+    /// [`Llama::forward`] computes a one-token step (on the CPU its logits match decoding the
+    /// sequence alone to rounding), and attention is one call of the op over all of them.
+    /// Longer runs of tokens (a prompt) go through the prompt path, sequence by sequence.
+    ///
+    /// The model's own cache is neither read nor changed. On an error the sequences keep their
+    /// lengths from before the call.
+    pub fn forward_paged(
+        &self,
+        cache: &mut PagedKvCache,
+        ids: &[SequenceId],
+        tokens: &[u32],
+    ) -> Result<Tensor> {
+        self.check_paged_cache(cache)?;
+        if ids.is_empty() || tokens.is_empty() || !tokens.len().is_multiple_of(ids.len()) {
+            bail!(
+                "model forward_paged: {} tokens do not split evenly over {} sequences (at least \
+                 one each)",
+                tokens.len(),
+                ids.len()
+            )
+        }
+        let (batch, t) = (ids.len(), tokens.len() / ids.len());
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&token| token as usize >= vocab) {
+            bail!("model forward_paged: token id {bad} is out of the vocabulary (size {vocab})")
+        }
+        let starts = ids
+            .iter()
+            .map(|&id| cache.len(id))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((id, start)) = ids
+            .iter()
+            .zip(&starts)
+            .find(|(_, &start)| start + t > self.context_length())
+        {
+            bail!(
+                "model forward_paged: sequence {id:?} holds {start} tokens; {t} more exceed the \
+                 context length {}",
+                self.context_length()
+            )
+        }
+        let step = cache.begin_step(ids, t)?;
+        let logits = (|| {
+            let rows = if t == 1 { Rows::AsDecode } else { Rows::BySize };
+            let input = Tensor::from_slice(tokens, (batch, t), &self.device)?;
+            let mut x = self.embed(&input)?;
+            let angles = self.rope.angles(&starts, t)?;
+            for (index, layer) in self.weights.layers.iter().enumerate() {
+                let attention = layer_attention(&self.attention, &self.config, index);
+                let kv = LayerKv::Paged {
+                    cache,
+                    layer: index,
+                    step: &step,
+                    rows,
+                };
+                x = layer.forward(&x, &angles, &attention, self.fused_decode, kv)?;
+            }
+            let last = x.narrow(1, t - 1, 1)?;
+            self.logits(&last, rows)?.reshape((batch, vocab))
+        })();
+        if logits.is_err() {
+            for (&id, &start) in ids.iter().zip(&starts) {
+                cache.truncate(id, start)?;
+            }
+        }
+        logits
+    }
+
+    /// Checks that `cache` was made for this model.
+    fn check_paged_cache(&self, cache: &PagedKvCache) -> Result<()> {
+        let c = cache.config();
+        let want = (
+            self.config.num_hidden_layers,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+        );
+        if (c.layers, c.kv_heads, c.head_dim) != want || !c.device.same_device(&self.device) {
+            bail!(
+                "model forward_paged: the cache has {} layers of {} kv heads of {} on {:?}; the \
+                 model needs {} layers of {} kv heads of {} on {:?} (see Llama::paged_cache)",
+                c.layers,
+                c.kv_heads,
+                c.head_dim,
+                c.device.location(),
+                want.0,
+                want.1,
+                want.2,
+                self.device.location()
+            )
+        }
+        Ok(())
+    }
+}

@@ -17,6 +17,11 @@
 //! `splitkv_speculative` line reports the tokens/s that gives, drafting taken as free (prompt
 //! lookup costs no model pass), next to plain decoding.
 //!
+//! With `--batch B`, it also times batched decode steps (`Llama::forward_paged`): B sequences,
+//! each filled to C with random keys and values in a paged cache of `--page-size` positions per
+//! page, one token each per step, the weights read once for all of them; the `splitkv_paged`
+//! line gives the step time and the aggregate tokens/s (B per step).
+//!
 //! Prints one JSON line per (context, backend):
 //! `{"kind":"e2e","model":...,"kv_dtype":...,"context":C,"backend":...,"ms_per_token":...,...}`
 //! with the attention share of the step time (our backends) and the bytes a step must read
@@ -26,6 +31,7 @@
 //! ```text
 //! cargo run --release --features cuda --example bench_llama                 # Llama-3-8B shape, bf16
 //! cargo run --release --example bench_llama -- --config small --cpu         # small model on the CPU
+//! cargo run --release --features cuda --example bench_llama -- --contexts 8192 --batch 16
 //! ```
 
 use std::collections::HashMap;
@@ -37,7 +43,7 @@ use candle_nn::VarBuilder;
 use candle_splitkv::models::llama::{
     AttentionBackend, Llama, LlamaConfig, LoadOptions, RopeScaling,
 };
-use candle_splitkv::CachedAttention;
+use candle_splitkv::{CachedAttention, PagedKvCache, SequenceId};
 use candle_transformers::models::llama as stock;
 use clap::{Parser, ValueEnum};
 
@@ -109,6 +115,12 @@ struct Args {
     /// The synthetic acceptance rate of each draft, in [0, 1], for `--speculate`.
     #[arg(long, default_value_t = 0.7)]
     acceptance: f64,
+    /// Also time batched steps of this many sequences over a paged cache (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Positions per page of the batched steps' paged cache.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
     /// Keep cudarc's per-buffer event tracking (two CUDA events per allocation, recorded at every
     /// launch). Everything here runs on candle's one stream, so by default it is turned off.
     #[arg(long)]
@@ -209,13 +221,25 @@ fn random_weights(c: &LlamaConfig, dtype: DType, dev: &Device) -> Result<HashMap
     Ok(w)
 }
 
-/// Bytes one decode step reads: every weight but the embedding table (one row of it), plus K
-/// and V of every layer over the context, stored in `kv_dtype`.
+/// Bytes one decode step of one sequence reads: every weight but the embedding table (one row
+/// of it), plus K and V of every layer over the context, stored in `kv_dtype`.
 fn bytes_per_step(
     c: &LlamaConfig,
     weights: &HashMap<String, Tensor>,
     context: usize,
     kv_dtype: DType,
+) -> usize {
+    batch_bytes_per_step(c, weights, context, kv_dtype, 1)
+}
+
+/// Bytes one decode step of `batch` sequences at `context` reads: the weights once, K and V of
+/// each sequence.
+fn batch_bytes_per_step(
+    c: &LlamaConfig,
+    weights: &HashMap<String, Tensor>,
+    context: usize,
+    kv_dtype: DType,
+    batch: usize,
 ) -> usize {
     let weight_bytes: usize = weights
         .iter()
@@ -228,7 +252,7 @@ fn bytes_per_step(
         * c.num_key_value_heads
         * c.head_dim
         * kv_dtype.size_in_bytes();
-    weight_bytes + kv_bytes
+    weight_bytes + batch * kv_bytes
 }
 
 struct Report<'a> {
@@ -288,6 +312,23 @@ impl Report<'_> {
             verify_ms / plain_ms,
             1e3 / ms_per_token,
             plain_ms / ms_per_token
+        );
+    }
+
+    /// Batched steps of `batch` sequences taking `step_ms` each, reading `bytes` per step.
+    fn batch_line(&self, batch: usize, page_size: usize, step_ms: f64, bytes: usize) {
+        println!(
+            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
+             \"device\":\"{}\",\"context\":{},\"backend\":\"splitkv_paged\",\"batch\":{batch},\
+             \"page_size\":{page_size},\"steps\":{},\"ms_per_step\":{step_ms:.3},\
+             \"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes}}}",
+            self.model,
+            self.dtype,
+            kv_dtype_name(self.kv_dtype),
+            self.device,
+            self.context,
+            self.steps,
+            batch as f64 * 1e3 / step_ms
         );
     }
 
@@ -353,6 +394,44 @@ fn fill_cache(model: &mut Llama, context: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Milliseconds per batched step of `batch` sequences, each filled to `context` positions with
+/// random keys and values in a paged cache of `page_size` positions per page.
+fn run_batch(
+    model: &Llama,
+    context: usize,
+    batch: usize,
+    page_size: usize,
+    steps: usize,
+) -> Result<f64> {
+    let c = model.config().clone();
+    let device = model.device().clone();
+    let positions = context + WARMUP_STEPS + steps;
+    let mut cache: PagedKvCache =
+        model.paged_cache(batch * positions.div_ceil(page_size), page_size)?;
+    let kv_dtype = cache.config().dtype;
+    let ids: Vec<SequenceId> = (0..batch).map(|_| cache.add_sequence()).collect();
+    for &id in &ids {
+        for start in (0..context).step_by(FILL_CHUNK) {
+            let n = FILL_CHUNK.min(context - start);
+            let shape = (1, n, c.num_key_value_heads, c.head_dim);
+            let k = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(kv_dtype)?;
+            let v = Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(kv_dtype)?;
+            let step = cache.begin_step(&[id], n)?;
+            for layer in 0..c.num_hidden_layers {
+                cache.write(layer, &step, &k, &v)?;
+            }
+        }
+    }
+    let vocab = c.vocab_size as u32;
+    time_steps(&device, steps, |i| {
+        let tokens: Vec<u32> = (0..batch)
+            .map(|s| ((i * batch + s) as u32 * 7919) % vocab)
+            .collect();
+        model.forward_paged(&mut cache, &ids, &tokens)?;
+        Ok(())
+    })
 }
 
 /// Mean milliseconds per call of `step(i)` over `steps` calls after the warm-up.
@@ -491,6 +570,9 @@ fn main() -> Result<()> {
             candle_splitkv::MAX_QUERY_TOKENS - 1
         )
     }
+    if args.batch.contains(&0) || args.page_size == 0 {
+        bail!("--batch sizes and --page-size must be at least 1")
+    }
     if !(0.0..=1.0).contains(&args.acceptance) {
         bail!("--acceptance {} must lie in [0, 1]", args.acceptance)
     }
@@ -572,6 +654,15 @@ fn main() -> Result<()> {
                         ),
                         Err(e) => report.error("splitkv_speculative", &e.to_string()),
                     }
+                }
+            }
+            model.set_fused_decode(true);
+            model.set_backend(AttentionBackend::SplitKv);
+            for &batch in &args.batch {
+                let bytes = batch_bytes_per_step(&config, &weights, context, kv_dtype, batch);
+                match run_batch(&model, context, batch, args.page_size, args.steps) {
+                    Ok(ms) => report.batch_line(batch, args.page_size, ms, bytes),
+                    Err(e) => report.error("splitkv_paged", &e.to_string()),
                 }
             }
         }

@@ -5,8 +5,13 @@
 //! For each context C: prefill a C-token prompt (timed), then 4 warm-up and `--steps` timed
 //! decode steps. Prints one JSON line per (backend, context).
 //!
+//! With `--batch B`, also B sequences at context C in a paged cache (`Llama::forward_paged`):
+//! each prompt prefilled alone (they differ, so no page is shared), then batched greedy steps of
+//! one token per sequence; the `splitkv_paged` line gives the aggregate tokens/s.
+//!
 //! ```text
 //! cargo run --release --example model_throughput -- --model model.gguf --contexts 2500,4096 --stock
+//! cargo run --release --example model_throughput -- --model model.gguf --contexts 512 --batch 4
 //! ```
 
 use std::path::PathBuf;
@@ -16,6 +21,7 @@ use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
+use candle_splitkv::SequenceId;
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
 use clap::Parser;
 
@@ -41,10 +47,17 @@ struct Args {
     /// KV cache dtype: f32, f16, bf16 or fp8 (e4m3, scale 1) (default: the model's choice).
     #[arg(long)]
     cache_dtype: Option<String>,
+    /// Also decode this many sequences at once over a paged cache (sizes, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    batch: Vec<usize>,
+    /// Positions per page of the paged cache.
+    #[arg(long, default_value_t = 16)]
+    page_size: usize,
 }
 
-/// A deterministic prompt of `len` tokens: an English passage, repeated.
-fn prompt_tokens(tokenizer: &tokenizers::Tokenizer, len: usize) -> Result<Vec<u32>> {
+/// A deterministic prompt of `len` tokens: an English passage, repeated, starting `offset`
+/// tokens into it (so that prompts of a batch differ).
+fn prompt_tokens(tokenizer: &tokenizers::Tokenizer, len: usize, offset: usize) -> Result<Vec<u32>> {
     let passage = "The river rose slowly through the spring, and the people of the valley moved \
         their animals to the high meadows, where the grass was thin but the ground was dry. \
         Each evening the elders met to measure the water against the old stone marks. ";
@@ -56,7 +69,7 @@ fn prompt_tokens(tokenizer: &tokenizers::Tokenizer, len: usize) -> Result<Vec<u3
     if ids.is_empty() {
         bail!("the tokenizer produced no tokens")
     }
-    Ok(ids.iter().copied().cycle().take(len).collect())
+    Ok(ids.iter().copied().cycle().skip(offset).take(len).collect())
 }
 
 fn argmax(logits: &Tensor) -> Result<u32> {
@@ -91,6 +104,44 @@ fn time_run(
     Ok(Timing {
         prefill_s,
         decode_ms_per_token: timed * 1e3 / steps as f64,
+    })
+}
+
+/// `batch` sequences at `context`: each prompt prefilled alone into a paged cache (timed
+/// together), then greedy steps of one token per sequence in one pass each.
+fn time_batch(
+    model: &Llama,
+    tokenizer: &tokenizers::Tokenizer,
+    context: usize,
+    batch: usize,
+    page_size: usize,
+    steps: usize,
+) -> Result<Timing> {
+    let positions = context + WARMUP_STEPS + steps;
+    let mut cache = model.paged_cache(batch * positions.div_ceil(page_size), page_size)?;
+    let start = Instant::now();
+    let mut ids: Vec<SequenceId> = Vec::with_capacity(batch);
+    let mut next: Vec<u32> = Vec::with_capacity(batch);
+    for s in 0..batch {
+        let id = cache.add_sequence();
+        let logits =
+            model.forward_paged(&mut cache, &[id], &prompt_tokens(tokenizer, context, s)?)?;
+        ids.push(id);
+        next.push(argmax(&logits)?);
+    }
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut timed = 0.0;
+    for i in 0..WARMUP_STEPS + steps {
+        let start = Instant::now();
+        let logits = model.forward_paged(&mut cache, &ids, &next)?;
+        if i >= WARMUP_STEPS {
+            timed += start.elapsed().as_secs_f64();
+        }
+        next = logits.argmax(1)?.to_vec1::<u32>()?;
+    }
+    Ok(Timing {
+        prefill_s,
+        decode_ms_per_token: timed * 1e3 / (steps * batch) as f64,
     })
 }
 
@@ -133,6 +184,9 @@ fn main() -> Result<()> {
         eprintln!("  {choice}");
     }
     let mut model = loaded.model;
+    if args.batch.contains(&0) || args.page_size == 0 {
+        bail!("--batch sizes and --page-size must be at least 1")
+    }
     let mut backends = vec![AttentionBackend::SplitKv];
     if args.naive {
         backends.push(AttentionBackend::Naive);
@@ -145,7 +199,7 @@ fn main() -> Result<()> {
                 model.context_length()
             )
         }
-        let prompt = prompt_tokens(&loaded.tokenizer, context)?;
+        let prompt = prompt_tokens(&loaded.tokenizer, context, 0)?;
         for &backend in &backends {
             model.set_backend(backend);
             model.reset();
@@ -155,6 +209,23 @@ fn main() -> Result<()> {
                 AttentionBackend::Naive => "naive",
             };
             report(&name, label, context, &timing);
+        }
+        model.set_backend(AttentionBackend::SplitKv);
+        for &batch in &args.batch {
+            let timing = time_batch(
+                &model,
+                &loaded.tokenizer,
+                context,
+                batch,
+                args.page_size,
+                args.steps,
+            )?;
+            // Prefill rate and ms per token are over all the batch's tokens.
+            let timing = Timing {
+                prefill_s: timing.prefill_s / batch as f64,
+                ..timing
+            };
+            report(&name, &format!("splitkv_paged_b{batch}"), context, &timing);
         }
         if args.stock {
             if context + WARMUP_STEPS + args.steps > MAX_SEQ_LEN {

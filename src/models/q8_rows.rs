@@ -1,48 +1,56 @@
-//! `Q8Rows`: a Q8_0 weight multiplied row by row with rayon, for single-row (decode) inputs on
-//! the CPU.
+//! `Q8Rows`: a weight in 8-bit blocks (Q8_0's format: 32 quants and a scale per block, the
+//! scale kept in f32) multiplied row by row with rayon, for decode inputs on the CPU.
+//!
+//! Several input rows (a batch of sequences, a few tokens being verified) are multiplied in one
+//! pass over the weight, each product exactly as a single row gets it (see [`dot`]).
 //!
 //! Why not candle's `QMatMul`: its CPU path synchronises its worker threads with spinning
 //! barriers, so each matmul waits for the slowest thread. When other processes share the cores
 //! (a laptop, a CI runner) a descheduled worker stalls every matmul for a scheduler slice;
 //! decode steps measured several times slower that way (docs/perf-log.md, "CPU q8 rows").
-//! Rayon's work stealing lets the threads that do run take over the rest. The dot products are
-//! candle's own SIMD `vec_dot` for Q8_0.
+//! Rayon's work stealing lets the threads that do run take over the rest.
 
 use candle_core::backend::BackendStorage;
-use candle_core::quantized::k_quants::{BlockQ8_0, GgmlType};
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+
+mod dot;
+use dot::{dot_rows, quantize, BlockRows, BLOCK};
 
 /// Output rows computed per rayon task: enough work to amortise scheduling, small enough to
 /// balance across threads.
 const ROWS_PER_TASK: usize = 16;
-/// Below this many weight blocks (1M weights) one thread finishes sooner than waking others.
-const PARALLEL_MIN_BLOCKS: usize = 1 << 15;
+/// Below this many block products (weight blocks × input rows; 1M weights for one row) one
+/// thread finishes sooner than waking others.
+const PARALLEL_MIN_BLOCK_PRODUCTS: usize = 1 << 15;
 
-/// An `(out, in)` weight in Q8_0 blocks, row-major.
+/// An `(out, in)` weight in 8-bit blocks, row-major.
 #[derive(Debug, Clone)]
 pub struct Q8Rows {
-    blocks: Vec<BlockQ8_0>,
+    quants: Vec<i8>,
+    /// One per block of `BLOCK` quants.
+    scales: Vec<f32>,
     out_features: usize,
     in_features: usize,
 }
 
 impl Q8Rows {
-    /// Quantizes a dense `(out, in)` weight; `in` must be a multiple of 32 (the Q8_0 block).
+    /// Quantizes a dense `(out, in)` weight; `in` must be a multiple of 32 (the block).
     pub fn quantize(weight: &Tensor) -> Result<Self> {
         let (out_features, in_features) = weight.dims2()?;
-        let block = BlockQ8_0::BLCK_SIZE;
-        if in_features % block != 0 {
-            bail!("q8 rows: in_features ({in_features}) must be a multiple of {block}")
+        if in_features % BLOCK != 0 {
+            bail!("q8 rows: in_features ({in_features}) must be a multiple of {BLOCK}")
         }
         let dense = weight
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let mut blocks = vec![BlockQ8_0::zeros(); dense.len() / block];
-        BlockQ8_0::from_float(&dense, &mut blocks);
+        let mut quants = vec![0i8; dense.len()];
+        let mut scales = vec![0f32; dense.len() / BLOCK];
+        quantize(&dense, &mut quants, &mut scales);
         Ok(Self {
-            blocks,
+            quants,
+            scales,
             out_features,
             in_features,
         })
@@ -74,28 +82,30 @@ impl CustomOp1 for Q8Rows {
             )
         }
         let x = &data[start..end];
-        let blocks_per_row = self.in_features / BlockQ8_0::BLCK_SIZE;
+        let blocks_per_row = self.in_features / BLOCK;
         let rows = x.len() / self.in_features;
-        let mut x_blocks = vec![BlockQ8_0::zeros(); rows * blocks_per_row];
-        for (x_row, blocks) in x
-            .chunks_exact(self.in_features)
-            .zip(x_blocks.chunks_exact_mut(blocks_per_row))
-        {
-            BlockQ8_0::from_float(x_row, blocks);
-        }
-        // Each weight row is read once for all input rows (a few tokens being verified cost
-        // about one read of the weights), and each product is the dot a single row gets.
+        let mut x_quants = vec![0i8; x.len()];
+        let mut x_scales = vec![0f32; x.len() / BLOCK];
+        quantize(x, &mut x_quants, &mut x_scales);
+        let inputs = BlockRows {
+            quants: &x_quants,
+            scales: &x_scales,
+        };
+        // Each weight row is read once for all input rows (a few tokens being verified, or a
+        // batch of sequences, cost about one read of the weights), and each product is the dot
+        // a single row gets.
         let weight_row_dots = |w_row: usize, ys: &mut [f32]| {
-            let at = w_row * blocks_per_row;
-            let weights = &self.blocks[at..at + blocks_per_row];
-            for (y, x_row) in ys.iter_mut().zip(x_blocks.chunks_exact(blocks_per_row)) {
-                *y = BlockQ8_0::vec_dot(self.in_features, weights, x_row);
-            }
+            let at = w_row * blocks_per_row..(w_row + 1) * blocks_per_row;
+            let weight = BlockRows {
+                quants: &self.quants[at.start * BLOCK..at.end * BLOCK],
+                scales: &self.scales[at],
+            };
+            dot_rows(weight, inputs, ys);
         };
         // `(out, rows)`: one weight row's products are contiguous.
         let mut by_weight_row = vec![0f32; rows * self.out_features];
         if rows > 0 {
-            if self.blocks.len() < PARALLEL_MIN_BLOCKS {
+            if self.scales.len() * rows < PARALLEL_MIN_BLOCK_PRODUCTS {
                 by_weight_row
                     .chunks_exact_mut(rows)
                     .enumerate()

@@ -1,6 +1,7 @@
 //! Shared by the CPU and GPU test suites: random inputs and an f64 reference.
 #![allow(dead_code)]
 
+pub mod batched;
 pub mod paged;
 pub mod tiny_families;
 pub mod tiny_llama;

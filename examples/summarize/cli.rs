@@ -36,8 +36,10 @@ impl DtypeArg {
 #[derive(Debug, Parser)]
 #[command(name = "summarize")]
 pub struct Args {
-    /// The document to summarize (UTF-8 text or Markdown), or `-` to read standard input.
-    pub file: PathBuf,
+    /// The documents to summarize (UTF-8 text or Markdown): files, folders (their .md and .txt
+    /// files), or `-` to read one from standard input. Several are summarized at once.
+    #[arg(required = true, value_name = "FILE")]
+    pub files: Vec<PathBuf>,
 
     /// A GGUF file, or a Hugging Face model directory (config.json, tokenizer.json,
     /// *.safetensors). Default: SmolLM2-135M-Instruct, fetched into the cache on first use.
@@ -126,6 +128,12 @@ pub struct Args {
     /// costs a good part of a step, more than the kept ones save.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub speculate: usize,
+
+    /// Answers written at once: the parts of a document (and with several documents, all their
+    /// answers) decode together in one batched pass per token over a paged cache, as they come
+    /// and go. 1 writes them one at a time.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub batch: usize,
 
     /// The most tokens of the document (or of its selected sentences) the model reads at a time.
     /// Longer documents are split into chunks of at most this size (smaller still if the model's

@@ -1,7 +1,7 @@
-//! Reading the document, from a file or standard input.
+//! Reading the documents, from files, folders or standard input.
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use candle_splitkv::summarize::decode_text;
@@ -30,4 +30,33 @@ pub fn read_document(path: &Path) -> Result<String> {
         }
     };
     Ok(decode_text(&name, bytes).map_err(|e| BadInput(e.to_string()))?)
+}
+
+/// The documents `paths` name: files as given, a folder's `.md` and `.txt` files in name order,
+/// and `-` (standard input) only alone.
+pub fn document_paths(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    if paths.len() > 1 && paths.iter().any(|p| p.as_os_str() == "-") {
+        bad_input!("`-` (standard input) can only be the one document");
+    }
+    let mut documents = Vec::new();
+    for path in paths {
+        if !path.is_dir() {
+            documents.push(path.clone());
+            continue;
+        }
+        let entries = match std::fs::read_dir(path) {
+            Ok(entries) => entries,
+            Err(e) => bad_input!("cannot list {}: {e}", path.display()),
+        };
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|ext| ext == "md" || ext == "txt"))
+            .collect();
+        if found.is_empty() {
+            bad_input!("{} holds no .md or .txt document", path.display());
+        }
+        found.sort();
+        documents.extend(found);
+    }
+    Ok(documents)
 }

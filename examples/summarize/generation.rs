@@ -1,4 +1,7 @@
-//! One generation: prefill a prompt into an empty cache, then sample tokens until the answer ends.
+//! One generation: prefill a prompt into an empty cache, then sample tokens until the answer ends;
+//! or many at once ([`Generator::generate_batch`]).
+
+mod batch;
 
 use std::time::Instant;
 
@@ -8,6 +11,8 @@ use candle_splitkv::models::llama::Llama;
 use candle_splitkv::models::speculative::{PromptLookup, Sampling, SpeculativeDecoder};
 use candle_transformers::generation::{LogitsProcessor, Sampling as GenerationSampling};
 use tokenizers::Tokenizer;
+
+pub use batch::{BatchObserver, Request};
 
 /// Prefill goes through the model in slices of this many tokens, so progress can be shown while
 /// a long prompt is read. Large enough to keep the matrix products efficient.
@@ -76,6 +81,25 @@ impl Timing {
     }
 }
 
+/// The sampler of one answer, seeded from the settings.
+fn sampler(settings: &SamplingSettings) -> LogitsProcessor {
+    let SamplingSettings {
+        temperature,
+        seed,
+        top_k,
+        top_p,
+        ..
+    } = *settings;
+    let sampling = match (top_k, top_p) {
+        _ if temperature <= 0.0 => GenerationSampling::ArgMax,
+        (None, None) => GenerationSampling::All { temperature },
+        (Some(k), None) => GenerationSampling::TopK { k, temperature },
+        (None, Some(p)) => GenerationSampling::TopP { p, temperature },
+        (Some(k), Some(p)) => GenerationSampling::TopKThenTopP { k, p, temperature },
+    };
+    LogitsProcessor::from_sampling(seed, sampling)
+}
+
 /// Runs generations on one model.
 pub struct Generator<'m> {
     model: &'m mut Llama,
@@ -105,6 +129,11 @@ impl<'m> Generator<'m> {
 
     pub fn context_length(&self) -> usize {
         self.model.context_length()
+    }
+
+    /// Whether single generations draft tokens by prompt lookup.
+    pub fn speculates(&self) -> bool {
+        self.settings.speculate > 0
     }
 
     /// Generates the answer to `prompt`, at most `max_new_tokens` of it, from an empty cache.
@@ -143,36 +172,13 @@ impl<'m> Generator<'m> {
         }
 
         let mut logits = logits;
-        let SamplingSettings {
-            temperature,
-            seed,
-            repeat_penalty,
-            repeat_last_n,
-            top_k,
-            top_p,
-            ..
-        } = self.settings;
-        let sampling = match (top_k, top_p) {
-            _ if temperature <= 0.0 => GenerationSampling::ArgMax,
-            (None, None) => GenerationSampling::All { temperature },
-            (Some(k), None) => GenerationSampling::TopK { k, temperature },
-            (None, Some(p)) => GenerationSampling::TopP { p, temperature },
-            (Some(k), Some(p)) => GenerationSampling::TopKThenTopP { k, p, temperature },
-        };
-        let mut sampler = LogitsProcessor::from_sampling(seed, sampling);
+        let mut sampler = sampler(&self.settings);
         let mut stream = self.tokenizer.decode_stream(true);
         let mut generated: Vec<u32> = Vec::new();
         let mut decode_tokens = 0;
         let start = Instant::now();
         loop {
-            if repeat_penalty != 1.0 && !generated.is_empty() {
-                let window = &generated[generated.len().saturating_sub(repeat_last_n)..];
-                logits = candle_transformers::utils::apply_repeat_penalty(
-                    &logits,
-                    repeat_penalty,
-                    window,
-                )?;
-            }
+            logits = self.penalized(logits, &generated)?;
             let token = sampler.sample(&logits)?;
             if self.stop_tokens.contains(&token) {
                 break;
@@ -206,6 +212,24 @@ impl<'m> Generator<'m> {
                 ..prefill
             },
         })
+    }
+
+    /// `logits` with the repeat penalty over the latest of the `generated` tokens.
+    fn penalized(&self, logits: Tensor, generated: &[u32]) -> Result<Tensor> {
+        let SamplingSettings {
+            repeat_penalty,
+            repeat_last_n,
+            ..
+        } = self.settings;
+        if repeat_penalty == 1.0 || generated.is_empty() {
+            return Ok(logits);
+        }
+        let window = &generated[generated.len().saturating_sub(repeat_last_n)..];
+        Ok(candle_transformers::utils::apply_repeat_penalty(
+            &logits,
+            repeat_penalty,
+            window,
+        )?)
     }
 
     /// The decode loop with speculation: the first token comes from the prefill's logits as in

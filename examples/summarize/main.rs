@@ -35,7 +35,7 @@ use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
 use map_reduce::{Plan, Summarizer};
 use planted_facts::PlantedFacts;
-use progress::Progress;
+use progress::{DocumentBars, Progress};
 use stats::RunInfo;
 
 fn main() -> ExitCode {
@@ -64,8 +64,23 @@ fn one_line(error: &anyhow::Error) -> String {
 fn run(args: &Args) -> Result<()> {
     let started = Instant::now();
     check_options(args)?;
-    // The document is checked first: a typo in its name should not wait for a model download.
-    let document = document::read_document(&args.file)?;
+    // The documents are checked first: a typo in a name should not wait for a model download.
+    let paths = document::document_paths(&args.files)?;
+    let documents = paths
+        .iter()
+        .map(|path| document::read_document(path))
+        .collect::<Result<Vec<_>>>()?;
+    if documents.len() > 1 {
+        if args.facts.is_some() {
+            bad_input!(
+                "--facts scores one document; {} were given",
+                documents.len()
+            );
+        }
+        if args.speculate > 0 {
+            bad_input!("--speculate applies to one document at a time; several are batched");
+        }
+    }
     let planted_facts = args.facts.as_deref().map(PlantedFacts::read).transpose()?;
     let device = select_device(args.device)?;
     let model_path = match (&args.model, &args.model_id) {
@@ -133,12 +148,25 @@ fn run(args: &Args) -> Result<()> {
         select_tokens: (args.select_tokens > 0).then_some(args.select_tokens),
         reduce: args.reduce.reduce(),
         ground: !args.keep_ungrounded,
+        batch: args.batch,
     };
-    let summary = Summarizer::new(&mut generator, chat, plan).summarize(
-        &document,
-        &mut progress,
-        !args.json,
-    )?;
+    let summarizer = Summarizer::new(&mut generator, chat, plan);
+    let document = match documents.as_slice() {
+        [document] => document,
+        _ => {
+            progress.clear();
+            let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+            let many = Many {
+                names: &names,
+                documents: &documents,
+                model: model_path.display().to_string(),
+                device: device_name(&device),
+                kv_dtype,
+            };
+            return many.summarize(summarizer, args, started);
+        }
+    };
+    let summary = summarizer.summarize(document, &mut progress, !args.json)?;
     progress.clear();
 
     let info = RunInfo {
@@ -151,7 +179,7 @@ fn run(args: &Args) -> Result<()> {
         kv_dtype,
         speculate: args.speculate,
         elapsed_secs: started.elapsed().as_secs_f64(),
-        facts: planted_facts.map(|facts| facts.score(&summary.text, &document)),
+        facts: planted_facts.map(|facts| facts.score(&summary.text, document)),
     };
     if args.json {
         println!("{}", stats::json_report(&summary, &info));
@@ -160,6 +188,74 @@ fn run(args: &Args) -> Result<()> {
         eprintln!("{}", stats::stats_line(&summary, &info));
     }
     Ok(())
+}
+
+/// A run over several documents.
+struct Many<'a> {
+    names: &'a [String],
+    documents: &'a [String],
+    model: String,
+    device: String,
+    kv_dtype: &'static str,
+}
+
+impl Many<'_> {
+    /// Summarizes the documents together, printing each summary under its name as it is done,
+    /// then the statistics: per document, and the aggregate rate of the batch.
+    fn summarize(&self, summarizer: Summarizer, args: &Args, started: Instant) -> Result<()> {
+        let bars = DocumentBars::new(args.quiet, self.names);
+        let batch_start = Instant::now();
+        let summaries = summarizer.summarize_many(self.documents, &bars, |i, summary| {
+            if args.json {
+                return Ok(());
+            }
+            bars.suspend(|| print_titled(&self.names[i], &summary.text))
+        })?;
+        let batch_secs = batch_start.elapsed().as_secs_f64();
+        bars.clear();
+        let info = RunInfo {
+            model: self.model.clone(),
+            device: self.device.clone(),
+            attention: match args.attention {
+                AttentionArg::Splitkv => "splitkv",
+                AttentionArg::Naive => "naive",
+            },
+            kv_dtype: self.kv_dtype,
+            speculate: 0,
+            elapsed_secs: started.elapsed().as_secs_f64(),
+            facts: None,
+        };
+        let aggregate = stats::Aggregate::of(&summaries, batch_secs);
+        if args.json {
+            let reports: Vec<_> = summaries
+                .iter()
+                .zip(self.names)
+                .map(|(summary, name)| {
+                    let mut report = stats::json_report(summary, &info);
+                    report["document"] = name.as_str().into();
+                    report
+                })
+                .collect();
+            let all = serde_json::json!({ "documents": reports, "aggregate": aggregate.json() });
+            println!("{all}");
+        }
+        if !args.quiet {
+            for (summary, name) in summaries.iter().zip(self.names) {
+                eprintln!("{name}: {}", stats::stats_line(summary, &info));
+            }
+            eprintln!("{}", aggregate.line(args.batch));
+        }
+        Ok(())
+    }
+}
+
+/// Prints a document's summary under its name.
+fn print_titled(name: &str, summary: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "## {name}\n\n{summary}\n")
+        .and_then(|()| out.flush())
+        .map_err(|e| anyhow::anyhow!("writing to stdout: {e}"))
 }
 
 /// Rejects option values that clap's types let through.
@@ -195,6 +291,9 @@ fn check_options(args: &Args) -> Result<()> {
             "--speculate must be at most {most_drafts} (0 turns it off), got {}",
             args.speculate
         );
+    }
+    if args.batch == 0 {
+        bad_input!("--batch must be at least 1");
     }
     if args.chunk_tokens < 64 {
         bad_input!(

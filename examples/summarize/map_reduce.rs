@@ -9,8 +9,10 @@ use candle_splitkv::summarize::{
 };
 
 use crate::bad_input::BadInput;
-use crate::generation::{GenerationObserver, Generator, Timing};
-use crate::progress::{Progress, StreamToStdout};
+use crate::generation::{
+    BatchObserver, Generation, GenerationObserver, Generator, Request, Timing,
+};
+use crate::progress::{DocumentBars, Progress, StreamToStdout};
 
 /// The result of summarizing a document.
 #[derive(Debug, Clone)]
@@ -46,6 +48,8 @@ pub struct Plan {
     pub reduce: Reduce,
     /// Drop sentences that state a number or a name the document does not contain.
     pub ground: bool,
+    /// Answers written at once (continuous batching); 1 writes them one at a time.
+    pub batch: usize,
 }
 
 /// Summarizes documents, cutting them to fit the model's context.
@@ -68,14 +72,9 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         }
     }
 
-    /// Summarizes `document`. The final summary streams to stdout when `stream` is set.
-    pub fn summarize(
-        mut self,
-        document: &str,
-        progress: &mut Progress,
-        stream: bool,
-    ) -> Result<Summary> {
-        let mut plan = MapReduce::new(
+    /// The planner of one document.
+    fn planner(&self) -> Result<MapReduce<'m>> {
+        Ok(MapReduce::new(
             self.generator.tokenizer(),
             self.chat.clone(),
             self.generator.context_length(),
@@ -85,7 +84,17 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         .map_err(in_option_terms)?
         .with_selection(self.plan.select_tokens)
         .with_reduce(self.plan.reduce)
-        .with_grounding(self.plan.ground);
+        .with_grounding(self.plan.ground))
+    }
+
+    /// Summarizes `document`. The final summary streams to stdout when `stream` is set.
+    pub fn summarize(
+        mut self,
+        document: &str,
+        progress: &mut Progress,
+        stream: bool,
+    ) -> Result<Summary> {
+        let mut plan = self.planner()?;
         let mut round = plan.start(document)?;
         let text = loop {
             let next = match round {
@@ -150,6 +159,30 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         progress: &mut Progress,
     ) -> Result<Vec<String>> {
         progress.add_work(prompts.iter().map(Vec::len).sum());
+        if self.plan.batch > 1 && !self.generator.speculates() {
+            let requests: Vec<Request> = prompts
+                .iter()
+                .map(|prompt| Request {
+                    prompt: prompt.clone(),
+                    max_new_tokens,
+                })
+                .collect();
+            progress.set_step(format!("{label}s, {} at once", self.plan.batch));
+            let generations = self.generator.generate_batch(
+                &requests,
+                self.plan.batch,
+                &mut PartsProgress {
+                    progress,
+                    answered: 0,
+                    total: prompts.len(),
+                    label,
+                },
+            )?;
+            return Ok(generations
+                .into_iter()
+                .map(|generation| self.count(generation))
+                .collect());
+        }
         let mut answers = Vec::with_capacity(prompts.len());
         for (i, prompt) in prompts.iter().enumerate() {
             progress.set_step(format!("{label} {}/{}", i + 1, prompts.len()));
@@ -185,9 +218,200 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         observer: &mut dyn GenerationObserver,
     ) -> Result<String> {
         let generation = self.generator.generate(prompt, max_new_tokens, observer)?;
+        Ok(self.count(generation))
+    }
+
+    /// Counts a generation in the statistics; its text.
+    fn count(&mut self, generation: Generation) -> String {
         self.generations += 1;
         self.timing.add(generation.timing);
-        Ok(generation.text)
+        generation.text
+    }
+
+    /// Summarizes several documents at once: the answers of every document's current round are
+    /// written together (continuous batching, `Plan::batch` at a time), and each document moves
+    /// on to its next round when the wave is done. `done(i, summary)` is called as document `i`
+    /// is finished; the summaries come back in the documents' order.
+    pub fn summarize_many(
+        mut self,
+        documents: &[String],
+        bars: &DocumentBars,
+        mut done: impl FnMut(usize, &Summary) -> Result<()>,
+    ) -> Result<Vec<Summary>> {
+        let mut runs = Vec::with_capacity(documents.len());
+        for document in documents {
+            let mut plan = self.planner()?;
+            let round = plan.start(document)?;
+            runs.push(DocumentRun {
+                plan,
+                round: Some(round),
+                generations: 0,
+                timing: Timing::default(),
+                summary: None,
+            });
+        }
+        loop {
+            // Documents whose planner finished without a generation.
+            for (i, run) in runs.iter_mut().enumerate() {
+                match run.round.take() {
+                    Some(Round::Done { summary }) => {
+                        let summary = run.finish(summary);
+                        bars.finished(i, &summary);
+                        done(i, &summary)?;
+                        run.summary = Some(summary);
+                    }
+                    Some(round) => {
+                        bars.set_round(i, round_label(&round), round_prompts(&round).len());
+                        run.round = Some(round);
+                    }
+                    None => {}
+                }
+            }
+            let mut requests = Vec::new();
+            let mut owners = Vec::new();
+            for (i, run) in runs.iter().enumerate() {
+                let Some(round) = &run.round else { continue };
+                let max_new_tokens = round_max_new_tokens(round);
+                for prompt in round_prompts(round) {
+                    requests.push(Request {
+                        prompt: prompt.clone(),
+                        max_new_tokens,
+                    });
+                    owners.push(i);
+                }
+            }
+            if requests.is_empty() {
+                break;
+            }
+            let generations = self.generator.generate_batch(
+                &requests,
+                self.plan.batch,
+                &mut WaveProgress {
+                    bars,
+                    owners: &owners,
+                },
+            )?;
+            let mut answers: Vec<Vec<String>> = vec![Vec::new(); runs.len()];
+            for (generation, &i) in generations.into_iter().zip(&owners) {
+                runs[i].generations += 1;
+                runs[i].timing.add(generation.timing);
+                self.generations += 1;
+                answers[i].push(generation.text);
+            }
+            for (i, run) in runs.iter_mut().enumerate() {
+                let Some(round) = run.round.take() else {
+                    continue;
+                };
+                run.round = Some(match round {
+                    Round::Final { .. } => {
+                        let text = run.plan.finish(&answers[i][0]).map_err(in_option_terms)?;
+                        Round::Done { summary: text }
+                    }
+                    _ => run.plan.next_round(&answers[i]).map_err(in_option_terms)?,
+                });
+            }
+        }
+        runs.into_iter()
+            .map(|run| run.summary.context("a document was never summarized"))
+            .collect()
+    }
+}
+
+/// One document of [`Summarizer::summarize_many`].
+struct DocumentRun<'t> {
+    plan: MapReduce<'t>,
+    /// The round whose answers are being written; `None` once summarized.
+    round: Option<Round>,
+    generations: usize,
+    timing: Timing,
+    summary: Option<Summary>,
+}
+
+impl DocumentRun<'_> {
+    fn finish(&self, text: String) -> Summary {
+        Summary {
+            text,
+            document_tokens: self.plan.document_tokens(),
+            selected_tokens: self.plan.selected_tokens(),
+            chunks: self.plan.chunks(),
+            extra_rounds: self.plan.merge_rounds(),
+            dropped_sentences: self.plan.dropped_sentences(),
+            replaced_sentences: self.plan.replaced_sentences(),
+            generations: self.generations,
+            timing: self.timing,
+        }
+    }
+}
+
+fn round_prompts(round: &Round) -> &[Vec<u32>] {
+    match round {
+        Round::Parts { prompts, .. } | Round::Merge { prompts, .. } => prompts,
+        Round::Final { prompt, .. } => std::slice::from_ref(prompt),
+        Round::Done { .. } => &[],
+    }
+}
+
+fn round_max_new_tokens(round: &Round) -> usize {
+    match round {
+        Round::Parts { max_new_tokens, .. }
+        | Round::Merge { max_new_tokens, .. }
+        | Round::Final { max_new_tokens, .. } => *max_new_tokens,
+        Round::Done { .. } => 0,
+    }
+}
+
+fn round_label(round: &Round) -> String {
+    match round {
+        Round::Parts { .. } => "parts".to_string(),
+        Round::Merge { round, .. } => format!("merging, round {round}"),
+        Round::Final { .. } => "summary".to_string(),
+        Round::Done { .. } => "done".to_string(),
+    }
+}
+
+/// Progress of one round's answers written as a batch, on the run's bar.
+struct PartsProgress<'p> {
+    progress: &'p mut Progress,
+    answered: usize,
+    total: usize,
+    label: &'p str,
+}
+
+impl BatchObserver for PartsProgress<'_> {
+    fn joined(&mut self, _index: usize, prompt_tokens: usize) {
+        self.progress.inc(prompt_tokens);
+    }
+
+    fn stepped(&mut self, live: usize, tokens_per_s: f64) {
+        self.progress.set_step(format!(
+            "{}s: {}/{} answered, writing {live} at {tokens_per_s:.1} tok/s",
+            self.label, self.answered, self.total
+        ));
+    }
+
+    fn finished(&mut self, _index: usize, _generation: &Generation) -> Result<()> {
+        self.answered += 1;
+        Ok(())
+    }
+}
+
+/// Progress of a wave of several documents' answers, on each document's bar.
+struct WaveProgress<'b> {
+    bars: &'b DocumentBars,
+    /// The document of each request.
+    owners: &'b [usize],
+}
+
+impl BatchObserver for WaveProgress<'_> {
+    fn joined(&mut self, _index: usize, _prompt_tokens: usize) {}
+
+    fn stepped(&mut self, live: usize, tokens_per_s: f64) {
+        self.bars.set_rate(live, tokens_per_s);
+    }
+
+    fn finished(&mut self, index: usize, _generation: &Generation) -> Result<()> {
+        self.bars.answered(self.owners[index]);
+        Ok(())
     }
 }
 

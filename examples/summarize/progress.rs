@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use candle_splitkv::summarize::{Grounding, WholeSentences};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::generation::GenerationObserver;
+use crate::map_reduce::Summary;
 
 /// One bar for the whole run. Its length is the number of prompt tokens to read, so it moves
 /// with prefill, the bulk of the work; the message says which step runs and how fast.
@@ -55,9 +56,94 @@ impl Progress {
         self.bar.inc_length(tokens as u64);
     }
 
+    /// Counts `tokens` more prompt tokens read.
+    pub fn inc(&self, tokens: usize) {
+        self.bar.inc(tokens as u64);
+    }
+
     /// Removes the bar from the terminal.
     pub fn clear(&self) {
         self.bar.finish_and_clear();
+    }
+}
+
+/// One bar per document of a run over several, under a line with the batch's writing rate.
+pub struct DocumentBars {
+    multi: MultiProgress,
+    rate: ProgressBar,
+    bars: Vec<ProgressBar>,
+}
+
+impl DocumentBars {
+    /// Bars named after `names` on stderr, or hidden ones when `quiet`.
+    pub fn new(quiet: bool, names: &[String]) -> Self {
+        let target = if quiet {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        };
+        let multi = MultiProgress::with_draw_target(target);
+        let rate = multi.add(ProgressBar::new_spinner());
+        rate.set_style(style("{spinner} [{elapsed_precise}] {msg}"));
+        rate.set_message(format!("{} documents: reading", names.len()));
+        rate.enable_steady_tick(Duration::from_millis(200));
+        let width = names.iter().map(String::len).max().unwrap_or(0).min(40);
+        let bars = names
+            .iter()
+            .map(|name| {
+                let bar = multi.add(ProgressBar::new(0));
+                bar.set_style(
+                    style(&format!(
+                        "  {{prefix:{width}}} {{bar:20}} {{pos}}/{{len}} {{msg}}"
+                    ))
+                    .progress_chars("=> "),
+                );
+                bar.set_prefix(name.clone());
+                bar
+            })
+            .collect();
+        Self { multi, rate, bars }
+    }
+
+    /// Document `doc` is in the round `label` of `answers` answers.
+    pub fn set_round(&self, doc: usize, label: String, answers: usize) {
+        let bar = &self.bars[doc];
+        bar.set_length(answers as u64);
+        bar.set_position(0);
+        bar.set_message(label);
+    }
+
+    /// One more answer of document `doc`'s round is written.
+    pub fn answered(&self, doc: usize) {
+        self.bars[doc].inc(1);
+    }
+
+    /// The batch writes `live` answers at `tokens_per_s` in all.
+    pub fn set_rate(&self, live: usize, tokens_per_s: f64) {
+        self.rate.set_message(format!(
+            "{} documents: writing {live} answers at once, {tokens_per_s:.1} tok/s",
+            self.bars.len()
+        ));
+    }
+
+    /// Document `doc` is summarized.
+    pub fn finished(&self, doc: usize, summary: &Summary) {
+        self.bars[doc].finish_with_message(format!(
+            "done: {} generations, {} words",
+            summary.generations,
+            summary.text.split_whitespace().count()
+        ));
+    }
+
+    /// Runs `f` (which prints) with the bars hidden, so that they do not draw over its text.
+    pub fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.multi.suspend(f)
+    }
+
+    /// Removes the bars from the terminal.
+    pub fn clear(&self) {
+        self.rate.finish_and_clear();
+        self.multi.clear().ok();
     }
 }
 

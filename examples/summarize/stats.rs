@@ -117,3 +117,55 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
     }
     report
 }
+
+/// What a run over several documents did as a whole: the rates of the batch, over its wall
+/// time, where each document's own rates count only its share.
+pub struct Aggregate {
+    documents: usize,
+    prefill_tokens: usize,
+    decode_tokens: usize,
+    generations: usize,
+    secs: f64,
+}
+
+impl Aggregate {
+    pub fn of(summaries: &[Summary], secs: f64) -> Self {
+        Self {
+            documents: summaries.len(),
+            prefill_tokens: summaries.iter().map(|s| s.timing.prefill_tokens).sum(),
+            decode_tokens: summaries.iter().map(|s| s.timing.decode_tokens).sum(),
+            generations: summaries.iter().map(|s| s.generations).sum(),
+            secs,
+        }
+    }
+
+    /// Tokens written: one from each prompt's logits, the rest decoded.
+    fn written(&self) -> usize {
+        self.decode_tokens + self.generations
+    }
+
+    pub fn line(&self, batch: usize) -> String {
+        format!(
+            "{} documents, {} answers, up to {batch} at once: {} prompt tokens read and {} tokens \
+             written in {:.1} s | {:.1} tok/s written, {:.1} tok/s read and written",
+            self.documents,
+            self.generations,
+            self.prefill_tokens,
+            self.written(),
+            self.secs,
+            per_second(self.written(), self.secs),
+            per_second(self.prefill_tokens + self.written(), self.secs),
+        )
+    }
+
+    pub fn json(&self) -> Value {
+        json!({
+            "documents": self.documents,
+            "generations": self.generations,
+            "prompt_tokens": self.prefill_tokens,
+            "written_tokens": self.written(),
+            "seconds": self.secs,
+            "written_tokens_per_second": per_second(self.written(), self.secs),
+        })
+    }
+}

@@ -88,11 +88,16 @@ fn bad_documents_exit_2_with_a_one_line_reason() {
     let with_nul = write("nul.txt", b"looks like text\0but is not");
     let not_utf8: Vec<u8> = (0..2000u32).map(|i| 0x80 + (i * 7 % 0x7f) as u8).collect();
     let not_utf8 = write("latin.bin", &not_utf8);
-    let directory = dir.to_str().unwrap().to_string();
+    let no_documents = dir.join("no-documents");
+    std::fs::create_dir_all(&no_documents).unwrap();
+    let no_documents = no_documents.to_str().unwrap().to_string();
 
     // A model is never needed to reject these, so they fail fast even on a machine without one.
     assert_rejected(&[&missing], "no such file");
-    assert_rejected(&[&directory], "is a directory");
+    assert_rejected(&[&no_documents], "holds no .md or .txt document");
+    assert_rejected(&["-", &empty], "can only be the one document");
+    // Each document is checked before any model is loaded.
+    assert_rejected(&[&missing, &empty], "no such file");
     assert_rejected(&[&empty], "is empty");
     assert_rejected(&[&blank], "is empty");
     assert_rejected(&[&with_nul], "NUL bytes");
@@ -192,6 +197,56 @@ fn short_document_streams_a_summary_and_a_stats_line() {
     assert!(stats.contains("attention splitkv"), "{stats:?}");
     // The GGUF model runs in f32 and its cache follows unless --kv-dtype says otherwise.
     assert!(stats.contains("| kv float32 |"), "{stats:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn several_documents_are_summarized_together() {
+    let _one_at_a_time = MODEL_RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch_dir("several");
+    std::fs::write(dir.join("a-library.txt"), SHORT_DOCUMENT).unwrap();
+    let second = "The harbour ferry will run every twenty minutes in the summer, twice as often \
+        as now. The council bought two more boats after queues at the pier grew to an hour on \
+        sunny weekends. Tickets will cost the same, and the first crossing will leave at six.";
+    std::fs::write(dir.join("b-ferry.md"), second).unwrap();
+    std::fs::write(dir.join("notes.json"), "{}").unwrap();
+    let folder = dir.to_str().unwrap();
+
+    let facts = sample_document().with_extension("facts.json");
+    assert_rejected(
+        &[folder, "--facts", facts.to_str().unwrap()],
+        "--facts scores one document",
+    );
+    assert_rejected(&[folder, "--speculate", "2"], "one document at a time");
+    assert_rejected(&[folder, "--batch", "0"], "--batch must be at least 1");
+
+    let output = summarize(&[folder]);
+    let stdout = text(&output.stdout);
+    let stderr = text(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    // Both documents of the folder (not the JSON file), each under its name with a summary.
+    for name in ["a-library.txt", "b-ferry.md"] {
+        let title = stdout
+            .lines()
+            .position(|line| line.starts_with("## ") && line.ends_with(name))
+            .unwrap_or_else(|| panic!("no title for {name} in {stdout:?}"));
+        let summary = stdout.lines().nth(title + 2).unwrap_or_default();
+        assert!(
+            summary.split_whitespace().count() >= 5,
+            "{name}: expected a summary, got {summary:?}"
+        );
+    }
+    assert!(!stdout.contains("notes.json"), "{stdout:?}");
+    let aggregate = stderr.lines().last().unwrap_or_default();
+    assert!(
+        aggregate.starts_with("2 documents, 2 answers, up to 8 at once")
+            && aggregate.contains("tok/s written"),
+        "{aggregate:?}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

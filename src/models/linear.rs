@@ -20,7 +20,7 @@ pub enum LinearWeight {
 impl Module for LinearWeight {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::QMatMul(w) => w.forward(x),
+            Self::QMatMul(w) => crate::nn::fused_linear::matmul_rows(w, x),
             Self::Q8Rows(w) => w.forward(x),
         }
     }

@@ -135,7 +135,7 @@ fn unfused(x: &Tensor, w: &Tensor, input: LinearInput, output: LinearOutput) -> 
         LinearInput::Plain => x.clone(),
         LinearInput::RmsNorm { weight, eps } => candle_nn::ops::rms_norm(x, weight, eps)?,
     };
-    let y = QMatMul::Tensor(w.clone()).forward(&h)?;
+    let y = matmul_rows(&QMatMul::Tensor(w.clone()), &h)?;
     match output {
         LinearOutput::Plain => Ok(y),
         LinearOutput::AddResidual(r) => y + r,
@@ -150,6 +150,22 @@ fn unfused(x: &Tensor, w: &Tensor, input: LinearInput, output: LinearOutput) -> 
             candle_nn::ops::silu(&gate)? * up
         }
     }
+}
+
+/// `x (…, k) · Wᵀ` with every leading dim taken as rows of one matrix product. Candle's
+/// `QMatMul` on a dense weight multiplies a `(b, t, k)` input as b products of t rows, each
+/// reading the whole weight: b decode rows of a batch would read it b times.
+pub fn matmul_rows(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
+    if x.rank() <= 2 {
+        return w.forward(x);
+    }
+    let dims = x.dims();
+    let k = dims[dims.len() - 1];
+    let rows = x.elem_count() / k.max(1);
+    let y = w.forward(&x.reshape((rows, k))?)?;
+    let mut out = dims[..dims.len() - 1].to_vec();
+    out.push(y.dim(1)?);
+    y.reshape(out)
 }
 
 /// Test hook (feature `test-hooks`): fill fused-kernel outputs with NaN before each launch from

@@ -315,20 +315,24 @@ impl Report<'_> {
         );
     }
 
-    /// Batched steps of `batch` sequences taking `step_ms` each, reading `bytes` per step.
-    fn batch_line(&self, batch: usize, page_size: usize, step_ms: f64, bytes: usize) {
+    /// Batched steps of `batch` sequences, reading `bytes` per step.
+    fn batch_line(&self, batch: usize, page_size: usize, t: &BatchTiming, bytes: usize) {
         println!(
             "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
              \"device\":\"{}\",\"context\":{},\"backend\":\"splitkv_paged\",\"batch\":{batch},\
-             \"page_size\":{page_size},\"steps\":{},\"ms_per_step\":{step_ms:.3},\
-             \"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes}}}",
+             \"page_size\":{page_size},\"steps\":{},\"ms_per_step\":{:.3},\
+             \"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes},\"attention_ms_per_step\":{:.3},\
+             \"host_ms_per_step\":{:.3}}}",
             self.model,
             self.dtype,
             kv_dtype_name(self.kv_dtype),
             self.device,
             self.context,
             self.steps,
-            batch as f64 * 1e3 / step_ms
+            t.step_ms,
+            batch as f64 * 1e3 / t.step_ms,
+            t.attention_ms,
+            t.host_ms
         );
     }
 
@@ -396,15 +400,25 @@ fn fill_cache(model: &mut Llama, context: usize) -> Result<()> {
     Ok(())
 }
 
-/// Milliseconds per batched step of `batch` sequences, each filled to `context` positions with
-/// random keys and values in a paged cache of `page_size` positions per page.
+/// What a batched step costs.
+struct BatchTiming {
+    step_ms: f64,
+    /// The attention alone: every layer's writes and op call for the batch.
+    attention_ms: f64,
+    /// The host's time to enqueue one step, the device idle at its start: a step this long is
+    /// bound by its launches.
+    host_ms: f64,
+}
+
+/// Batched steps of `batch` sequences, each filled to `context` positions with random keys and
+/// values in a paged cache of `page_size` positions per page.
 fn run_batch(
     model: &Llama,
     context: usize,
     batch: usize,
     page_size: usize,
     steps: usize,
-) -> Result<f64> {
+) -> Result<BatchTiming> {
     let c = model.config().clone();
     let device = model.device().clone();
     let positions = context + WARMUP_STEPS + steps;
@@ -425,12 +439,54 @@ fn run_batch(
         }
     }
     let vocab = c.vocab_size as u32;
-    time_steps(&device, steps, |i| {
-        let tokens: Vec<u32> = (0..batch)
+    let tokens = |i: usize| -> Vec<u32> {
+        (0..batch)
             .map(|s| ((i * batch + s) as u32 * 7919) % vocab)
-            .collect();
-        model.forward_paged(&mut cache, &ids, &tokens)?;
+            .collect()
+    };
+    let step_ms = time_steps(&device, steps, |i| {
+        model.forward_paged(&mut cache, &ids, &tokens(i))?;
         Ok(())
+    })?;
+    for &id in &ids {
+        cache.truncate(id, context)?;
+    }
+    let mut host_secs = 0.0;
+    for i in 0..steps {
+        device.synchronize()?;
+        let start = Instant::now();
+        model.forward_paged(&mut cache, &ids, &tokens(i))?;
+        host_secs += start.elapsed().as_secs_f64();
+    }
+    for &id in &ids {
+        cache.truncate(id, context)?;
+    }
+    let attention = CachedAttention::new(1.0 / (c.head_dim as f32).sqrt());
+    let q = Tensor::randn(
+        0f32,
+        1.0,
+        (batch, 1, c.num_attention_heads, c.head_dim),
+        &device,
+    )?
+    .to_dtype(model.dtype())?;
+    let kv = Tensor::randn(
+        0f32,
+        1.0,
+        (batch, 1, c.num_key_value_heads, c.head_dim),
+        &device,
+    )?
+    .to_dtype(kv_dtype)?;
+    let step = cache.begin_step(&ids, 1)?;
+    let attention_ms = time_steps(&device, steps, |_| {
+        for layer in 0..c.num_hidden_layers {
+            attention.forward_paged(&q, &kv, &kv, &cache, layer, &step)?;
+        }
+        Ok(())
+    })?;
+    Ok(BatchTiming {
+        step_ms,
+        attention_ms,
+        host_ms: host_secs * 1e3 / steps as f64,
     })
 }
 
@@ -661,7 +717,7 @@ fn main() -> Result<()> {
             for &batch in &args.batch {
                 let bytes = batch_bytes_per_step(&config, &weights, context, kv_dtype, batch);
                 match run_batch(&model, context, batch, args.page_size, args.steps) {
-                    Ok(ms) => report.batch_line(batch, args.page_size, ms, bytes),
+                    Ok(timing) => report.batch_line(batch, args.page_size, &timing, bytes),
                     Err(e) => report.error("splitkv_paged", &e.to_string()),
                 }
             }

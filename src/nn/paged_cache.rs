@@ -49,7 +49,7 @@ pub struct PagedStep {
     pub block_table: Tensor,
     /// u32 `(batch,)`: each sequence's length, the step's positions included.
     pub seqlens: Tensor,
-    /// u32 `(batch · t · kv_heads, head_dim)`: the row of a layer's pool, flattened to
+    /// u32 `(batch · t · kv_heads,)`: the row of a layer's pool, flattened to
     /// `(num_pages · kv_heads · page_size, head_dim)`, of each new (sequence, token, head).
     rows: Tensor,
     ids: Vec<SequenceId>,
@@ -272,10 +272,33 @@ impl PagedKvCache {
         }
         let flat_rows = c.num_pages * c.kv_heads * c.page_size;
         let rows = step.batch() * step.t * c.kv_heads;
+        #[cfg(feature = "cuda")]
+        if c.device.is_cuda() {
+            // One launch for K and V, a thread per element: candle's scatter walks the rows of
+            // each column one after the other. Each (sequence, token, head) row is an entry of
+            // its own whose one head goes to the pool row `step.rows` names.
+            let (k, v) = (k_new.contiguous()?, v_new.contiguous()?);
+            let source = |x: &Tensor| x.reshape((rows, 1, 1, c.head_dim));
+            let destination = |pool: &Tensor| {
+                pool.reshape((1, 1, flat_rows, c.head_dim))?
+                    .broadcast_as((rows, 1, flat_rows, c.head_dim))
+            };
+            return crate::cuda::cache_write::write_rows(
+                (&destination(k_pool)?, &destination(v_pool)?),
+                (&source(&k)?, &source(&v)?),
+                &step.rows,
+                (1.0, 1.0),
+            );
+        }
+        let index = step
+            .rows
+            .unsqueeze(1)?
+            .broadcast_as((rows, c.head_dim))?
+            .contiguous()?;
         for (pool, x) in [(k_pool, k_new), (v_pool, v_new)] {
             let source = x.contiguous()?.reshape((rows, c.head_dim))?;
             pool.reshape((flat_rows, c.head_dim))?
-                .scatter_set(&step.rows, &source, 0)?;
+                .scatter_set(&index, &source, 0)?;
         }
         Ok(())
     }
@@ -383,14 +406,14 @@ impl PagedKvCache {
     /// The block table, lengths and write rows of a step of `t` positions just counted in `ids`.
     fn step_tensors(&self, ids: &[SequenceId], t: usize) -> Result<PagedStep> {
         let c = &self.config;
-        let mut rows = Vec::with_capacity(ids.len() * t * c.kv_heads * c.head_dim);
+        let mut rows = Vec::with_capacity(ids.len() * t * c.kv_heads);
         for id in ids {
             let sequence = self.sequence(*id)?;
             for pos in sequence.len - t..sequence.len {
                 let page = sequence.pages[pos / c.page_size] as usize;
                 for head in 0..c.kv_heads {
                     let row = (page * c.kv_heads + head) * c.page_size + pos % c.page_size;
-                    rows.extend(std::iter::repeat_n(row as u32, c.head_dim));
+                    rows.push(row as u32);
                 }
             }
         }
@@ -399,7 +422,7 @@ impl PagedKvCache {
         Ok(PagedStep {
             block_table,
             seqlens,
-            rows: Tensor::from_vec(rows, (rows_len, c.head_dim), &c.device)?,
+            rows: Tensor::from_vec(rows, rows_len, &c.device)?,
             ids: ids.to_vec(),
             t,
         })

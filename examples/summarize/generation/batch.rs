@@ -39,9 +39,9 @@ struct Live {
     sampler: LogitsProcessor,
     generated: Vec<u32>,
     limit: usize,
+    /// Its decode time is its share of each step it is in: the step's time over the answers in
+    /// it, so that the shares add up to the batch's time.
     timing: Timing,
-    /// When its decoding began: its share of the batch's decode time runs from here.
-    decode_start: Instant,
 }
 
 impl Generator<'_> {
@@ -108,8 +108,7 @@ impl Generator<'_> {
                 let length = requests[answer.index].prompt.len() + answer.generated.len();
                 if stop || answer.generated.len() >= answer.limit || length >= context {
                     cache.free_sequence(answer.id)?;
-                    let generation =
-                        self.finish(answer.generated, answer.timing, answer.decode_start)?;
+                    let generation = self.finish(answer.generated, answer.timing)?;
                     observer.finished(answer.index, &generation)?;
                     done[answer.index] = Some(generation);
                 } else {
@@ -122,13 +121,18 @@ impl Generator<'_> {
                 continue;
             }
             let ids: Vec<SequenceId> = live.iter().map(|a| a.id).collect();
+            let step_start = Instant::now();
             let logits = self
                 .model
                 .forward_paged(&mut cache, &ids, &next)
                 .context("decoding failed")?;
-            for (row, answer) in live.iter_mut().enumerate() {
-                answer.timing.decode_tokens += 1;
+            for row in 0..live.len() {
                 pending_logits.push(logits.get(row)?);
+            }
+            let share = step_start.elapsed().as_secs_f64() / live.len() as f64;
+            for answer in &mut live {
+                answer.timing.decode_tokens += 1;
+                answer.timing.decode_secs += share;
             }
             written += live.len();
             let elapsed = batch_start.elapsed().as_secs_f64();
@@ -170,28 +174,19 @@ impl Generator<'_> {
                 prefill_secs: start.elapsed().as_secs_f64(),
                 ..Timing::default()
             },
-            decode_start: Instant::now(),
         };
         Ok((answer, logits))
     }
 
-    /// The answer's text and timing; its decode time is the time it spent in the batch.
-    fn finish(
-        &self,
-        generated: Vec<u32>,
-        timing: Timing,
-        decode_start: Instant,
-    ) -> Result<Generation> {
+    /// The answer's text, with its timing.
+    fn finish(&self, generated: Vec<u32>, timing: Timing) -> Result<Generation> {
         let text = self
             .tokenizer
             .decode(&generated, true)
             .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
         Ok(Generation {
             text: text.trim().to_string(),
-            timing: Timing {
-                decode_secs: decode_start.elapsed().as_secs_f64(),
-                ..timing
-            },
+            timing,
         })
     }
 }

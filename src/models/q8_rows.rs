@@ -2,7 +2,7 @@
 //! scale kept in f32) multiplied row by row with rayon, for decode inputs on the CPU.
 //!
 //! Several input rows (a batch of sequences, a few tokens being verified) are multiplied in one
-//! pass over the weight, each product exactly as a single row gets it (see [`dot`]).
+//! pass over the weight, each product exactly as a single row gets it (see the `dot` module).
 //!
 //! Why not candle's `QMatMul`: its CPU path synchronises its worker threads with spinning
 //! barriers, so each matmul waits for the slowest thread. When other processes share the cores

@@ -267,6 +267,19 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
+    /// The fields every line opens with, up to the backend's name.
+    fn head(&self, backend: &str) -> String {
+        format!(
+            "\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
+             \"device\":\"{}\",\"context\":{},\"backend\":\"{backend}\"",
+            self.model,
+            self.dtype,
+            kv_dtype_name(self.kv_dtype),
+            self.device,
+            self.context
+        )
+    }
+
     fn line(&self, backend: &str, ms_per_token: f64, attention_ms: Option<f64>) {
         let attention = match attention_ms {
             Some(a) => format!(
@@ -276,15 +289,9 @@ impl Report<'_> {
             None => String::new(),
         };
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
-             \"device\":\"{}\",\
-             \"context\":{},\"backend\":\"{backend}\",\"steps\":{},\"ms_per_token\":{ms_per_token:.3},\
-             \"tokens_per_s\":{:.2},\"bytes_per_token\":{}{attention}}}",
-            self.model,
-            self.dtype,
-            kv_dtype_name(self.kv_dtype),
-            self.device,
-            self.context,
+            "{{{},\"steps\":{},\"ms_per_token\":{ms_per_token:.3},\"tokens_per_s\":{:.2},\
+             \"bytes_per_token\":{}{attention}}}",
+            self.head(backend),
             self.steps,
             1e3 / ms_per_token,
             self.bytes
@@ -297,17 +304,11 @@ impl Report<'_> {
         let tokens = expected_tokens(drafts, acceptance);
         let ms_per_token = verify_ms / tokens;
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
-             \"device\":\"{}\",\
-             \"context\":{},\"backend\":\"splitkv_speculative\",\"steps\":{},\"drafts\":{drafts},\
-             \"acceptance\":{acceptance},\"tokens_per_step\":{tokens:.3},\"ms_per_step\":{verify_ms:.3},\
+            "{{{},\"steps\":{},\"drafts\":{drafts},\"acceptance\":{acceptance},\
+             \"tokens_per_step\":{tokens:.3},\"ms_per_step\":{verify_ms:.3},\
              \"step_vs_plain\":{:.3},\"ms_per_token\":{ms_per_token:.3},\"tokens_per_s\":{:.2},\
              \"speedup_vs_plain\":{:.3}}}",
-            self.model,
-            self.dtype,
-            kv_dtype_name(self.kv_dtype),
-            self.device,
-            self.context,
+            self.head("splitkv_speculative"),
             self.steps,
             verify_ms / plain_ms,
             1e3 / ms_per_token,
@@ -318,16 +319,10 @@ impl Report<'_> {
     /// Batched steps of `batch` sequences, reading `bytes` per step.
     fn batch_line(&self, batch: usize, page_size: usize, t: &BatchTiming, bytes: usize) {
         println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
-             \"device\":\"{}\",\"context\":{},\"backend\":\"splitkv_paged\",\"batch\":{batch},\
-             \"page_size\":{page_size},\"steps\":{},\"ms_per_step\":{:.3},\
-             \"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes},\"attention_ms_per_step\":{:.3},\
-             \"host_ms_per_step\":{:.3}}}",
-            self.model,
-            self.dtype,
-            kv_dtype_name(self.kv_dtype),
-            self.device,
-            self.context,
+            "{{{},\"batch\":{batch},\"page_size\":{page_size},\"steps\":{},\
+             \"ms_per_step\":{:.3},\"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes},\
+             \"attention_ms_per_step\":{:.3},\"host_ms_per_step\":{:.3}}}",
+            self.head("splitkv_paged"),
             self.steps,
             t.step_ms,
             batch as f64 * 1e3 / t.step_ms,
@@ -341,16 +336,7 @@ impl Report<'_> {
             .replace('\\', "\\\\")
             .replace('"', "'")
             .replace('\n', " ");
-        println!(
-            "{{\"kind\":\"e2e\",\"model\":\"{}\",\"dtype\":\"{:?}\",\"kv_dtype\":\"{}\",\
-             \"device\":\"{}\",\
-             \"context\":{},\"backend\":\"{backend}\",\"error\":\"{error}\"}}",
-            self.model,
-            self.dtype,
-            kv_dtype_name(self.kv_dtype),
-            self.device,
-            self.context
-        );
+        println!("{{{},\"error\":\"{error}\"}}", self.head(backend));
     }
 }
 

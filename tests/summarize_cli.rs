@@ -36,6 +36,18 @@ fn summarize(args: &[&str]) -> Output {
         .expect("the summarize binary starts")
 }
 
+/// Runs the summarizer, asserts that it succeeded, and returns its stdout and stderr.
+fn summarize_ok(args: &[&str]) -> (String, String) {
+    let output = summarize(args);
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    (stdout, stderr)
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -176,14 +188,7 @@ fn short_document_streams_a_summary_and_a_stats_line() {
     let document = dir.join("library.txt");
     std::fs::write(&document, SHORT_DOCUMENT).unwrap();
 
-    let output = summarize(&[document.to_str().unwrap()]);
-    let stdout = text(&output.stdout);
-    let stderr = text(&output.stderr);
-    assert!(
-        output.status.success(),
-        "exit {:?}: {stderr}",
-        output.status.code()
-    );
+    let (stdout, stderr) = summarize_ok(&[document.to_str().unwrap()]);
     assert!(
         stdout.split_whitespace().count() >= 5,
         "expected a summary of a few words, got {stdout:?}"
@@ -220,14 +225,7 @@ fn several_documents_are_summarized_together() {
     assert_rejected(&[folder, "--speculate", "2"], "one document at a time");
     assert_rejected(&[folder, "--batch", "0"], "--batch must be at least 1");
 
-    let output = summarize(&[folder]);
-    let stdout = text(&output.stdout);
-    let stderr = text(&output.stderr);
-    assert!(
-        output.status.success(),
-        "exit {:?}: {stderr}",
-        output.status.code()
-    );
+    let (stdout, stderr) = summarize_ok(&[folder]);
     // Both documents of the folder (not the JSON file), each under its name with a summary.
     for name in ["a-library.txt", "b-ferry.md"] {
         let title = stdout

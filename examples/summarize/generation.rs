@@ -200,17 +200,23 @@ impl<'m> Generator<'m> {
             logits = self.model.forward(&[token]).context("decoding failed")?;
             decode_tokens += 1;
         }
+        let timing = Timing {
+            decode_tokens,
+            decode_secs: start.elapsed().as_secs_f64(),
+            ..prefill
+        };
+        self.answer(&generated, timing)
+    }
+
+    /// The generation of the answer `generated`: its text, trimmed, with its timing.
+    fn answer(&self, generated: &[u32], timing: Timing) -> Result<Generation> {
         let text = self
             .tokenizer
-            .decode(&generated, true)
+            .decode(generated, true)
             .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
         Ok(Generation {
             text: text.trim().to_string(),
-            timing: Timing {
-                decode_tokens,
-                decode_secs: start.elapsed().as_secs_f64(),
-                ..prefill
-            },
+            timing,
         })
     }
 
@@ -327,14 +333,7 @@ impl<'m> Generator<'m> {
                 }
             }
         }
-        let text = self
-            .tokenizer
-            .decode(&context[prompt.len()..], true)
-            .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
         timing.decode_secs = start.elapsed().as_secs_f64();
-        Ok(Generation {
-            text: text.trim().to_string(),
-            timing,
-        })
+        self.answer(&context[prompt.len()..], timing)
     }
 }

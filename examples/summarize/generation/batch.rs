@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{Context, Result};
 use candle_splitkv::{PagedKvCache, SequenceId};
 use candle_transformers::generation::LogitsProcessor;
 
@@ -108,7 +108,7 @@ impl Generator<'_> {
                 let length = requests[answer.index].prompt.len() + answer.generated.len();
                 if stop || answer.generated.len() >= answer.limit || length >= context {
                     cache.free_sequence(answer.id)?;
-                    let generation = self.finish(answer.generated, answer.timing)?;
+                    let generation = self.answer(&answer.generated, answer.timing)?;
                     observer.finished(answer.index, &generation)?;
                     done[answer.index] = Some(generation);
                 } else {
@@ -176,17 +176,5 @@ impl Generator<'_> {
             },
         };
         Ok((answer, logits))
-    }
-
-    /// The answer's text, with its timing.
-    fn finish(&self, generated: Vec<u32>, timing: Timing) -> Result<Generation> {
-        let text = self
-            .tokenizer
-            .decode(&generated, true)
-            .map_err(|e| anyhow!("cannot decode the answer: {e}"))?;
-        Ok(Generation {
-            text: text.trim().to_string(),
-            timing,
-        })
     }
 }

@@ -330,23 +330,15 @@ __device__ __forceinline__ void decode_partial_mma(const DecodeParams& p) {
             if (kLaneFixed && first + ROWS <= it.end) {
                 const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
                 const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
-                // A lane's rows rise with j: the table is read once per page they reach.
-                PagedRow at = paged_row(p, pages, first + lane_row);
-                int page_start = first + lane_row - at.row;
 #pragma unroll
                 for (int j = 0; j < PER_LANE; ++j) {
-                    const int pos = first + lane_row + j * LANE_ROWS;
-                    if (pos >= page_start + p.page_size) {
-                        at = paged_row(p, pages, pos);
-                        page_start = pos - at.row;
-                    }
-                    const int row = pos - page_start;
+                    const PagedRow at = paged_row(p, pages, first + lane_row + j * LANE_ROWS);
                     cp_async16_to_hint(k_dst + lane_dst[j],
-                                       it.k + at.page * k_page_bytes + row * k_row_bytes +
+                                       it.k + at.page * k_page_bytes + at.row * k_row_bytes +
                                            lane_piece * 16,
                                        stream_policy);
                     cp_async16_to_hint(v_dst + lane_dst[j],
-                                       it.v + at.page * v_page_bytes + row * v_row_bytes +
+                                       it.v + at.page * v_page_bytes + at.row * v_row_bytes +
                                            lane_piece * 16,
                                        stream_policy);
                 }

@@ -224,6 +224,7 @@ fn several_documents_are_summarized_together() {
     );
     assert_rejected(&[folder, "--speculate", "2"], "one document at a time");
     assert_rejected(&[folder, "--batch", "0"], "--batch must be at least 1");
+    assert_rejected(&[folder, "--kv-dtype", "fp8"], "one document at a time");
 
     let (stdout, stderr) = summarize_ok(&[folder]);
     // Both documents of the folder (not the JSON file), each under its name with a summary.

@@ -131,7 +131,7 @@ pub struct Args {
 
     /// Answers written at once: the parts of a document (and with several documents, all their
     /// answers) decode together in one batched pass per token over a paged cache, as they come
-    /// and go. 1 writes them one at a time.
+    /// and go. 1 writes them one at a time, as does an fp8 KV cache (which pages do not hold).
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub batch: usize,
 

@@ -136,6 +136,11 @@ impl<'m> Generator<'m> {
         self.settings.speculate > 0
     }
 
+    /// Whether answers can be written in batches: a paged cache holds f32, f16 or bf16, not fp8.
+    pub fn can_batch(&self) -> bool {
+        self.model.cache_dtype() != candle_core::DType::F8E4M3
+    }
+
     /// Generates the answer to `prompt`, at most `max_new_tokens` of it, from an empty cache.
     pub fn generate(
         &mut self,

@@ -150,6 +150,12 @@ fn run(args: &Args) -> Result<()> {
         ground: !args.keep_ungrounded,
         batch: args.batch,
     };
+    if documents.len() > 1 && !generator.can_batch() {
+        bad_input!(
+            "--kv-dtype fp8 works on one document at a time: several documents decode in \
+             batches over a paged cache, which holds f32, f16 or bf16"
+        );
+    }
     let summarizer = Summarizer::new(&mut generator, chat, plan);
     let document = match documents.as_slice() {
         [document] => document,

@@ -159,7 +159,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         progress: &mut Progress,
     ) -> Result<Vec<String>> {
         progress.add_work(prompts.iter().map(Vec::len).sum());
-        if self.plan.batch > 1 && !self.generator.speculates() {
+        if self.plan.batch > 1 && !self.generator.speculates() && self.generator.can_batch() {
             let requests: Vec<Request> = prompts
                 .iter()
                 .map(|prompt| Request {

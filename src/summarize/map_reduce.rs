@@ -387,6 +387,14 @@ mod tests {
         (0..count).map(|_| paragraph(words)).collect()
     }
 
+    /// The final round of `task` in the ChatML template, as the plan should return it.
+    fn final_round(tokenizer: &Tokenizer, task: Task, max_new_tokens: usize) -> Round {
+        Round::Final {
+            prompt: encode_prompt(tokenizer, &ChatTemplate::chatml(), task).unwrap(),
+            max_new_tokens,
+        }
+    }
+
     fn prompt_tokens(tokenizer: &Tokenizer, task: Task) -> usize {
         encode_prompt(tokenizer, &ChatTemplate::chatml(), task)
             .unwrap()
@@ -400,15 +408,11 @@ mod tests {
         let round = plan.start("\n  Short text. Two sentences.  \n").unwrap();
         assert_eq!(
             round,
-            Round::Final {
-                prompt: encode_prompt(
-                    &tokenizer,
-                    &ChatTemplate::chatml(),
-                    Task::Document("Short text. Two sentences.")
-                )
-                .unwrap(),
-                max_new_tokens: 200,
-            }
+            final_round(
+                &tokenizer,
+                Task::Document("Short text. Two sentences."),
+                200
+            )
         );
         assert_eq!(
             (plan.document_tokens(), plan.chunks(), plan.merge_rounds()),
@@ -453,15 +457,7 @@ mod tests {
             .join("\n\n");
         assert_eq!(
             plan.next_round(&answers).unwrap(),
-            Round::Final {
-                prompt: encode_prompt(
-                    &tokenizer,
-                    &ChatTemplate::chatml(),
-                    Task::Summaries(&merged)
-                )
-                .unwrap(),
-                max_new_tokens: 200,
-            }
+            final_round(&tokenizer, Task::Summaries(&merged), 200)
         );
         assert_eq!(plan.merge_rounds(), 0);
     }
@@ -570,15 +566,7 @@ mod tests {
         .join("\n\n");
         assert_eq!(
             round,
-            Round::Final {
-                prompt: encode_prompt(
-                    &tokenizer,
-                    &ChatTemplate::chatml(),
-                    Task::Document(&selected)
-                )
-                .unwrap(),
-                max_new_tokens: 50,
-            }
+            final_round(&tokenizer, Task::Document(&selected), 50)
         );
         assert_eq!(plan.chunks(), 1);
     }

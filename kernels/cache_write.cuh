@@ -13,7 +13,9 @@ struct CacheWriteParams {
     const void* v_src;
     void* k_dst;
     void* v_dst;
-    const uint32_t* starts;  // (b,): sequence s's rows go to positions starts[s] .. starts[s] + t
+    const uint32_t* starts;  // (b,) or null: sequence s's rows go to positions
+                             // starts[s] + start_offset .. + t (null: 0 + start_offset)
+    int start_offset;        // added to every start: the host's position for a cache's rows
     int batch, tokens, heads, head_dim;
     int capacity;            // positions at or past this are never written
     long long k_src_batch_stride, k_src_seq_stride, k_src_head_stride;
@@ -49,7 +51,8 @@ template <typename T, typename KV> __device__ __forceinline__ void cache_write(c
         e /= p.heads;
         const int t = (int)(e % p.tokens);
         const int b = (int)(e / p.tokens);
-        const long long position = (long long)p.starts[b] + t;
+        const long long position =
+            (p.starts != nullptr ? (long long)p.starts[b] : 0ll) + p.start_offset + t;
         if (position >= p.capacity) continue;
         if (is_v) {
             const T x = static_cast<const T*>(p.v_src)[b * p.v_src_batch_stride +

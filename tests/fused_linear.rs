@@ -271,9 +271,12 @@ fn gpu_fused_kernel_matches_reference() -> Result<()> {
         Epilogue::Plain,
     )?;
 
-    // Shapes the kernel does not take run candle's ops and still agree.
+    // Shapes the kernel does not take run candle's ops (SwiGLU in a launch of its own) and
+    // still agree: several rows, a width it cannot stage, f32.
     for (rows, n, k, dtype) in [
         (2, 34, 64, DType::BF16),
+        (5, 64, 64, DType::F16),
+        (16, 1000, 128, DType::BF16),
         (1, 10, 12, DType::F16),
         (1, 10, 64, DType::F32),
     ] {

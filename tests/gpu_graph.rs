@@ -58,7 +58,7 @@ fn stored(cache: &KvCache) -> Result<Vec<f32>> {
 }
 
 #[test]
-fn gpu_append_at_device_lengths_writes_what_append_does_on_the_cpu() -> Result<()> {
+fn gpu_appends_write_what_append_does_on_the_cpu() -> Result<()> {
     let _turn = gpu_turn();
     let Some(gpu) = gpu() else { return Ok(()) };
     let mut rng = StdRng::seed_from_u64(5);
@@ -70,6 +70,8 @@ fn gpu_append_at_device_lengths_writes_what_append_does_on_the_cpu() -> Result<(
     ] {
         let mut on_cpu = KvCache::new(&cache_config(cache_dtype, &Device::Cpu, scales))?;
         let mut on_gpu = KvCache::new(&cache_config(cache_dtype, &gpu, scales))?;
+        // The same appends at the host's positions (the write kernel with a host start).
+        let mut on_gpu_host = KvCache::new(&cache_config(cache_dtype, &gpu, scales))?;
         // Steps of 1 to 3 tokens, through two growths; v is a strided view (every other head
         // of a wider tensor), as a joined projection hands it over.
         for step in 0..12 {
@@ -91,18 +93,26 @@ fn gpu_append_at_device_lengths_writes_what_append_does_on_the_cpu() -> Result<(
                 on_gpu.append_at(&k.to_device(&gpu)?, &v.to_device(&gpu)?, &lengths)?;
             assert_eq!(k_all.dims(), [2, on_gpu.capacity(), 3, 64]);
             assert_eq!(on_gpu.seq_lens(), on_cpu.seq_lens());
+            on_gpu_host.append(&k.to_device(&gpu)?, &v.to_device(&gpu)?)?;
         }
-        assert_eq!(on_gpu.capacity(), on_cpu.capacity());
-        let (got, want) = (stored(&on_gpu)?, stored(&on_cpu)?);
-        let differing = got
-            .iter()
-            .zip(&want)
-            .filter(|(g, w)| g.to_bits() != w.to_bits())
-            .count();
-        assert_eq!(
-            differing, 0,
-            "{cache_dtype:?} cache from {rows_dtype:?} rows: {differing} stored values differ"
-        );
+        let want = stored(&on_cpu)?;
+        for (how, cache) in [
+            ("device lengths", &on_gpu),
+            ("host positions", &on_gpu_host),
+        ] {
+            assert_eq!(cache.capacity(), on_cpu.capacity());
+            let got = stored(cache)?;
+            let differing = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() != w.to_bits())
+                .count();
+            assert_eq!(
+                differing, 0,
+                "{cache_dtype:?} cache from {rows_dtype:?} rows at {how}: {differing} stored \
+                 values differ"
+            );
+        }
     }
     Ok(())
 }

@@ -37,15 +37,24 @@ fn address(name: &str, t: &Tensor, dtype: DType) -> Result<u64> {
     ptr.ok_or_else(|| candle_core::Error::Msg(format!("cache write: {name} is not on CUDA")))
 }
 
+/// Where each sequence's new rows start in the caches.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RowStarts<'a> {
+    /// Read from a contiguous u32 `(b,)` tensor when the kernel runs (a captured step).
+    Device(&'a Tensor),
+    /// One position for every sequence, known on the host.
+    Host(usize),
+}
+
 /// Writes `k_new`/`v_new` `(b, t, h, d)` into the caches `(b, h, capacity, d)`, sequence `s` at
-/// positions `starts[s]..starts[s] + t`, none at or past the capacity. The rows are in the
+/// positions `start_s..start_s + t` (see [`RowStarts`]), none at or past the capacity. The rows are in the
 /// caches' dtype, or the caches are fp8 and store `row / scale` (scales `(k, v)`). The caches are
 /// written through shared handles: the caller owns them and orders every reader after this on
 /// the stream.
 pub(crate) fn write_rows(
     (k_cache, v_cache): (&Tensor, &Tensor),
     (k_new, v_new): (&Tensor, &Tensor),
-    starts: &Tensor,
+    starts: RowStarts,
     (k_scale, v_scale): (f32, f32),
 ) -> Result<()> {
     let Device::Cuda(dev) = k_cache.device() else {
@@ -65,13 +74,24 @@ pub(crate) fn write_rows(
             v_cache.dims()
         )
     }
-    if starts.dtype() != DType::U32 || starts.dims() != [batch] || !starts.is_contiguous() {
-        bail!(
-            "cache write: starts must be a contiguous u32 ({batch},), got {:?} {:?}",
-            starts.dtype(),
-            starts.dims()
-        )
-    }
+    let (starts, start_offset) = match starts {
+        RowStarts::Device(starts) => {
+            if starts.dtype() != DType::U32 || starts.dims() != [batch] || !starts.is_contiguous() {
+                bail!(
+                    "cache write: starts must be a contiguous u32 ({batch},), got {:?} {:?}",
+                    starts.dtype(),
+                    starts.dims()
+                )
+            }
+            (address("starts", starts, DType::U32)?, 0)
+        }
+        RowStarts::Host(at) => {
+            if at > i32::MAX as usize {
+                bail!("cache write: position {at} is past the kernel's range")
+            }
+            (0, at as i32)
+        }
+    };
     let (dtype, kv_dtype) = (k_new.dtype(), k_cache.dtype());
     if v_new.dtype() != dtype || v_cache.dtype() != kv_dtype {
         bail!("cache write: k and v must share their dtypes")
@@ -94,7 +114,8 @@ pub(crate) fn write_rows(
         v_src: address("v", v_new, dtype)?,
         k_dst: address("k cache", k_cache, kv_dtype)?,
         v_dst: address("v cache", v_cache, kv_dtype)?,
-        starts: address("starts", starts, DType::U32)?,
+        starts,
+        start_offset,
         batch: b as i32,
         tokens: t as i32,
         heads: h as i32,

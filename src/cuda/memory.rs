@@ -29,6 +29,14 @@ pub(crate) fn retain_freed_memory(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "test-hooks")]
+thread_local! {
+    /// When set, the outputs of the fused projections and of the q/k/v split are filled with
+    /// NaN before their kernels run, so that tests see any element a kernel fails to write. Per
+    /// thread, so that parallel tests keep apart.
+    pub(crate) static POISON_NEW_OUTPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {

@@ -15,7 +15,9 @@ pub(crate) mod launch;
 mod lockstep;
 pub(crate) mod memory;
 mod planner;
+pub(crate) mod rope_split;
 mod split_counters;
+pub(crate) mod swiglu;
 mod wide_groups;
 
 pub(crate) use decode::{forward, split_plan};

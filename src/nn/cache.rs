@@ -14,6 +14,8 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::stored_kv::StoredForm;
 pub use super::stored_kv::{CACHE_DTYPES, E4M3_MAX};
+#[cfg(feature = "cuda")]
+use crate::cuda::cache_write::RowStarts;
 
 /// Sizes and placement of a [`KvCache`].
 #[derive(Debug, Clone)]
@@ -203,14 +205,37 @@ impl KvCache {
         let needed = self.len() + t;
         self.reserve(needed)?;
         if self.is_uniform() {
-            let at = self.len();
-            self.k_form.write(&self.k, at, k_new)?;
-            self.v_form.write(&self.v, at, v_new)?;
+            self.write_uniform(self.len(), k_new, v_new)?;
         } else {
             self.write_each_sequence(k_new, v_new)?;
         }
         self.seq_lens.iter_mut().for_each(|len| *len += t);
         self.views()
+    }
+
+    /// Writes every sequence's new rows at positions `at..at + t`: on CUDA K and V in one launch
+    /// that reads the rows through their strides, elsewhere stored and copied in.
+    fn write_uniform(&self, at: usize, k_new: &Tensor, v_new: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return self.write_rows(k_new, v_new, RowStarts::Host(at));
+        }
+        self.k_form.write(&self.k, at, k_new)?;
+        self.v_form.write(&self.v, at, v_new)
+    }
+
+    /// The cache-write kernel over K and V (see `kernels/cache_write.cuh`).
+    #[cfg(feature = "cuda")]
+    fn write_rows(&self, k_new: &Tensor, v_new: &Tensor, starts: RowStarts) -> Result<()> {
+        crate::cuda::cache_write::write_rows(
+            (&self.k, &self.v),
+            (
+                &self.k_form.kernel_rows(k_new)?,
+                &self.v_form.kernel_rows(v_new)?,
+            ),
+            starts,
+            (self.k_scale(), self.v_scale()),
+        )
     }
 
     /// Writes each sequence's new rows after its own last position, one sequence at a time.
@@ -291,15 +316,8 @@ impl KvCache {
         if !self.device().is_cuda() {
             return self.write_at_host_lengths(k_new, v_new, lengths);
         }
-        crate::cuda::cache_write::write_rows(
-            (&self.k, &self.v),
-            (
-                &self.k_form.kernel_rows(k_new)?,
-                &self.v_form.kernel_rows(v_new)?,
-            ),
-            &lengths.contiguous()?,
-            (self.k_scale(), self.v_scale()),
-        )
+        let lengths = lengths.contiguous()?;
+        self.write_rows(k_new, v_new, RowStarts::Device(&lengths))
     }
 
     #[cfg(not(feature = "cuda"))]

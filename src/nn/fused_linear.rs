@@ -42,9 +42,9 @@ pub enum LinearOutput<'a> {
 /// - output: `(…, n)`, or `(…, n/2)` for [`LinearOutput::SwiGlu`], in x's dtype. All tensors
 ///   share x's dtype and device.
 ///
-/// One row of f16/bf16 on CUDA runs the fused kernel; the rest runs [`linear_unfused`]. The
-/// kernel rounds where the unfused ops round, except that a product and its residual are
-/// rounded once, not twice.
+/// One row of f16/bf16 on CUDA runs the fused kernel; the rest runs [`linear_unfused`] (on CUDA
+/// with SwiGLU in one launch of its own). The kernel rounds where the unfused ops round, except
+/// that a product and its residual are rounded once, not twice.
 pub fn fused_linear(
     x: &Tensor,
     w: &Tensor,
@@ -57,6 +57,12 @@ pub fn fused_linear(
         return Ok(y);
     }
     let _ = out_dims;
+    // Several rows on CUDA: the product through candle, the activation in one launch.
+    #[cfg(feature = "cuda")]
+    if matches!(output, LinearOutput::SwiGlu) && x.device().is_cuda() {
+        let y = unfused(x, w, input, LinearOutput::Plain)?;
+        return crate::cuda::swiglu::swiglu_pairs(&y);
+    }
     unfused(x, w, input, output)
 }
 
@@ -168,12 +174,13 @@ pub fn matmul_rows(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
     y.reshape(out)
 }
 
-/// Test hook (feature `test-hooks`): fill fused-kernel outputs with NaN before each launch from
-/// this thread, so that a row the kernel fails to write cannot pass for a result.
+/// Test hook (feature `test-hooks`): fill the outputs of the fused kernels (the projections and
+/// the q/k/v split) with NaN before each launch from this thread, so that an element a kernel
+/// fails to write cannot pass for a result.
 #[cfg(feature = "test-hooks")]
 pub fn poison_fused_outputs(on: bool) {
     #[cfg(feature = "cuda")]
-    cuda::POISON_OUTPUTS.set(on);
+    crate::cuda::memory::POISON_NEW_OUTPUTS.set(on);
     #[cfg(not(feature = "cuda"))]
     let _ = on;
 }

@@ -286,7 +286,7 @@ impl PagedKvCache {
             return crate::cuda::cache_write::write_rows(
                 (&destination(k_pool)?, &destination(v_pool)?),
                 (&source(&k)?, &source(&v)?),
-                &step.rows,
+                crate::cuda::cache_write::RowStarts::Device(&step.rows),
                 (1.0, 1.0),
             );
         }

@@ -91,7 +91,7 @@ impl JoinedLayer {
         kv: LayerKv,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (q_size, kv_size) = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
+        let q_size = self.q_heads * self.head_dim;
         let norm = |weight| LinearInput::RmsNorm {
             weight,
             eps: self.eps,
@@ -103,23 +103,11 @@ impl JoinedLayer {
             norm(&self.input_norm),
             LinearOutput::Plain,
         )?;
-        // q and k rotate in one RoPE call: they are adjacent in the joined output.
-        let qk = qkv.narrow(2, 0, q_size + kv_size)?.reshape((
-            b,
-            t,
-            self.q_heads + self.kv_heads,
-            self.head_dim,
-        ))?;
-        let qk = angles.apply(&qk)?;
-        // Views for one token; copies for a prompt, whose rows are strided.
-        let q = qk.narrow(2, 0, self.q_heads)?.contiguous()?;
-        let k = qk.narrow(2, self.q_heads, self.kv_heads)?.contiguous()?;
-        let v = qkv.narrow(2, q_size + kv_size, kv_size)?.reshape((
-            b,
-            t,
-            self.kv_heads,
-            self.head_dim,
-        ))?;
+        let heads = self.q_heads + 2 * self.kv_heads;
+        let (q, k, v) = angles.split_qkv(
+            &qkv.reshape((b, t, heads, self.head_dim))?,
+            (self.q_heads, self.kv_heads),
+        )?;
         let y = kv
             .attend(attention, (&q, &k, &v))?
             .reshape((b, t, q_size))?;

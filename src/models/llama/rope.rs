@@ -212,6 +212,48 @@ impl RopeAngles {
         };
         rotated.reshape((b, t, heads, d))
     }
+
+    /// Splits a joined projection's output `(batch, t, q + k + v heads, head_dim)` into
+    /// contiguous q, k and v, with q and k rotated. On CUDA this is one launch that reads the
+    /// output in place; elsewhere the rotation and the copies run as separate ops.
+    pub fn split_qkv(
+        &self,
+        qkv: &Tensor,
+        (q_heads, kv_heads): (usize, usize),
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, heads, _) = qkv.dims4()?;
+        if (b, t) != (self.batch, self.t) || heads != q_heads + 2 * kv_heads {
+            bail!(
+                "rope: angles for {} sequences of {} tokens and {q_heads} + 2·{kv_heads} heads, \
+                 qkv has shape {:?}",
+                self.batch,
+                self.t,
+                qkv.dims()
+            )
+        }
+        #[cfg(feature = "cuda")]
+        if qkv.device().is_cuda() {
+            let heads = crate::cuda::rope_split::QkvHeads {
+                q: q_heads,
+                k: kv_heads,
+                v: kv_heads,
+            };
+            let interleaved = self.layout == RopeLayout::Interleaved;
+            return crate::cuda::rope_split::rope_split(
+                qkv,
+                &self.cos,
+                &self.sin,
+                heads,
+                interleaved,
+            );
+        }
+        let qk = self.apply(&qkv.narrow(2, 0, q_heads + kv_heads)?)?;
+        Ok((
+            qk.narrow(2, 0, q_heads)?.contiguous()?,
+            qk.narrow(2, q_heads, kv_heads)?.contiguous()?,
+            qkv.narrow(2, q_heads + kv_heads, kv_heads)?.contiguous()?,
+        ))
+    }
 }
 
 #[cfg(test)]

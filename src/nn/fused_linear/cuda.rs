@@ -16,9 +16,6 @@ const MAX_STAGED_BYTES: usize = 48 * 1024;
 
 #[cfg(feature = "test-hooks")]
 thread_local! {
-    /// When set, outputs are filled with NaN before the kernel runs, so that tests see any row
-    /// the kernel fails to write. Per thread, like the counter, so parallel tests keep apart.
-    pub(super) static POISON_OUTPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     /// Fused launches from this thread, for tests that must know the kernel ran.
     pub(super) static FUSED_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
@@ -141,7 +138,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     // SAFETY: every output is written by the kernel; tests poison it to check.
     let y = unsafe { dev.alloc::<T>(outputs)? };
     #[cfg(feature = "test-hooks")]
-    if POISON_OUTPUTS.get() {
+    if crate::cuda::memory::POISON_NEW_OUTPUTS.get() {
         crate::cuda::memory::poison(dev, &y)?;
     }
     let (prologue, norm_weight, eps) = match input {

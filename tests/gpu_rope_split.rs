@@ -75,13 +75,13 @@ fn reference(
     starts: &[usize],
     layout: RopeLayout,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let (b, t, heads, d) = x.dims4()?;
+    let (_, t, heads, d) = x.dims4()?;
     let x = values(&x.contiguous()?)?;
     let half = d / 2;
     let (mut out, mut size) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-    for s in 0..b {
+    for (s, &start) in starts.iter().enumerate() {
         for i in 0..t {
-            let position = starts[s] + i;
+            let position = start + i;
             for h in 0..heads {
                 let base = ((s * t + i) * heads + h) * d;
                 for j in 0..half {

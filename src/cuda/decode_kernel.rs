@@ -59,7 +59,10 @@ impl DecodeKernel {
     }
 
     pub fn is_persistent(&self) -> bool {
-        self.spec.form == KernelForm::TensorCorePersistent
+        matches!(
+            self.spec.form,
+            KernelForm::TensorCorePersistent | KernelForm::TensorCorePersistentPaged
+        )
     }
 
     /// This instance in another form, loaded, with its shared-memory limit raised on first use.

@@ -102,9 +102,15 @@ pub(crate) fn prepare(
     let items = plan.num_splits * dims.batch * dims.kv_heads;
     // More items than resident CTAs: each CTA would ramp up and drain on its own, so one wave
     // of persistent CTAs walks them instead, where the device has the shared memory for the
-    // persistent form's separate merge area (the windowed form has none: its items run in waves).
-    if kernel.spec.form == KernelForm::TensorCore && items > kernel.resident {
-        if let Some(spec) = kernel.spec.sibling(KernelForm::TensorCorePersistent) {
+    // persistent form's separate merge area (the windowed forms have none: their items run in
+    // waves).
+    let persistent_twin = match kernel.spec.form {
+        KernelForm::TensorCore => Some(KernelForm::TensorCorePersistent),
+        KernelForm::TensorCorePaged => Some(KernelForm::TensorCorePersistentPaged),
+        _ => None,
+    };
+    if let (Some(twin), true) = (persistent_twin, items > kernel.resident) {
+        if let Some(spec) = kernel.spec.sibling(twin) {
             if spec.smem_bytes <= max_smem_per_cta(dev)? {
                 let persistent = DecodeKernel::load(dev, spec.form, dtype, kv_dtype, dims)?;
                 return Ok((persistent, plan));
@@ -256,7 +262,10 @@ pub(crate) fn launch(
     let group_partial_bytes = dims.group_size() * plan.num_splits * (dims.head_dim + 1) * 4;
     let counters = if plan.num_splits > 1
         && in_cluster.is_none()
-        && kernel.spec.form == KernelForm::TensorCore
+        && matches!(
+            kernel.spec.form,
+            KernelForm::TensorCore | KernelForm::TensorCorePaged
+        )
         && units <= SPLIT_COUNTERS
         && group_partial_bytes <= LAST_CTA_MERGE_BYTES
     {
@@ -279,6 +288,7 @@ pub(crate) fn launch(
         (KernelForm::TensorCore, true, true) => KernelForm::TensorCoreLastCtaLockstep,
         (KernelForm::TensorCore, true, false) => KernelForm::TensorCoreLastCta,
         (KernelForm::TensorCore, false, true) => KernelForm::TensorCoreLockstep,
+        (KernelForm::TensorCorePaged, true, _) => KernelForm::TensorCoreLastCtaPaged,
         (form, _, _) => form,
     };
     let func = if form == kernel.spec.form {

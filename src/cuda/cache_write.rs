@@ -47,10 +47,10 @@ pub(crate) enum RowStarts<'a> {
 }
 
 /// Writes `k_new`/`v_new` `(b, t, h, d)` into the caches `(b, h, capacity, d)`, sequence `s` at
-/// positions `start_s..start_s + t` (see [`RowStarts`]), none at or past the capacity. The rows are in the
-/// caches' dtype, or the caches are fp8 and store `row / scale` (scales `(k, v)`). The caches are
-/// written through shared handles: the caller owns them and orders every reader after this on
-/// the stream.
+/// positions `start_s..start_s + t` (see [`RowStarts`]), none at or past the capacity. The rows
+/// are in the caches' dtype, or the caches are fp8 and store `row / scale` (scales `(k, v)`). The
+/// caches are written through shared handles: the caller owns them and orders every reader after
+/// this on the stream.
 pub(crate) fn write_rows(
     (k_cache, v_cache): (&Tensor, &Tensor),
     (k_new, v_new): (&Tensor, &Tensor),

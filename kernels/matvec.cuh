@@ -6,13 +6,14 @@
 //
 // Each weight row is read exactly once, so the kernel is a stream of 16-byte loads. The unit of
 // work is a pair of rows; pairs are dealt round-robin to every warp of the grid, so no warp has
-// more than one pair more than another. A warp keeps two tiles in flight (double-buffered
-// registers), each of kUnroll 16-byte loads per lane and row. The transformed input is staged
+// more than one pair more than another. Two forms keep the stream's bytes in flight in different
+// places: the register form in two double-buffered tiles of registers per warp, the ring form in
+// a ring of shared-memory slots per warp filled by cp.async. The transformed input is staged
 // once per CTA in shared memory.
 //
-// Programmatic dependent launch (sm_90): a CTA issues its first two tiles of weights, which
-// depend on nothing, before it waits for the previous kernel's output, so this kernel's weight
-// stream overlaps the tail of the kernel before.
+// Programmatic dependent launch (sm_90): a CTA issues its first tiles of weights, which depend
+// on nothing, before it waits for the previous kernel's output, so this kernel's weight stream
+// overlaps the tail of the kernel before.
 
 #pragma once
 
@@ -150,30 +151,82 @@ struct StepPlace {
     bool last_of_row;
 };
 
+// A warp's walk over its row pairs, tile by tile: pairs are dealt round-robin to every warp of
+// the grid.
+template <int kUnroll>
+struct PairWalk {
+    static constexpr int kTileVecs = 32 * kUnroll;
+    int warp_id, warps, tiles_per_row, steps, lane;
+
+    __device__ __forceinline__ PairWalk(const MatVecParams& p, int vecs) {
+        lane = threadIdx.x % 32;
+        warp_id = blockIdx.x * kMatVecWarps + threadIdx.x / 32;
+        warps = gridDim.x * kMatVecWarps;
+        const int pairs = (p.n + 1) / 2;
+        tiles_per_row = (vecs + kTileVecs - 1) / kTileVecs;
+        const int my_pairs = warp_id < pairs ? (pairs - warp_id + warps - 1) / warps : 0;
+        steps = my_pairs * tiles_per_row;
+    }
+
+    __device__ __forceinline__ StepPlace place(int s) const {
+        const int nth = s / tiles_per_row;
+        const int tile = s - nth * tiles_per_row;
+        return StepPlace{warp_id + nth * warps, tile * kTileVecs + lane, tile == tiles_per_row - 1};
+    }
+};
+
+// One 16-byte piece of each row of a pair against the staged input's piece.
+template <typename T>
+__device__ __forceinline__ void accumulate_piece(const uint4& x, const uint4& w0, const uint4& w1,
+                                                 float& acc0, float& acc1) {
+    float xf[8], f0[8], f1[8];
+    widen8(x, static_cast<T*>(nullptr), xf);
+    widen8(w0, static_cast<T*>(nullptr), f0);
+    widen8(w1, static_cast<T*>(nullptr), f1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        acc0 = fmaf(f0[j], xf[j], acc0);
+        acc1 = fmaf(f1[j], xf[j], acc1);
+    }
+}
+
+// A pair's row sums, reduced over the warp, through the epilogue into y (lane 0 writes).
+template <typename T>
+__device__ __forceinline__ void finish_pair(const MatVecParams& p, int pair, int lane, float acc0,
+                                            float acc1) {
+    const float sum0 = warp_sum(acc0);
+    const float sum1 = warp_sum(acc1);
+    if (lane != 0) return;
+    T* y = static_cast<T*>(p.y);
+    const int row0 = 2 * pair;
+    if (p.epilogue == kEpilogueSwiGlu) {
+        // Rounded where the unfused chain (product, silu, multiply) rounds.
+        const float gate = round_to<T>(sum0);
+        const float up = round_to<T>(sum1);
+        const float silu = round_to<T>(gate / (1.f + __expf(-gate)));
+        y[pair] = from_float<T>(silu * up);
+        return;
+    }
+    const T* residual = static_cast<const T*>(p.residual);
+    const bool add = p.epilogue == kEpilogueResidual;
+    y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
+    if (row0 + 1 < p.n)
+        y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
+}
+
+// The register form: a warp keeps two tiles in flight in registers (double-buffered).
 template <typename T, int kUnroll>
 __device__ __forceinline__ void matvec(const MatVecParams& p) {
-    constexpr int kTileVecs = 32 * kUnroll;
     extern __shared__ __align__(16) unsigned char smem[];
     const int vecs = p.k / 8;
     uint4* x_s = reinterpret_cast<uint4*>(smem);
     uint4* g_s = x_s + vecs;
-    const int lane = threadIdx.x % 32;
-    const int warp_id = blockIdx.x * kMatVecWarps + threadIdx.x / 32;
-    const int warps = gridDim.x * kMatVecWarps;
-    const int pairs = (p.n + 1) / 2;
-    const int tiles_per_row = (vecs + kTileVecs - 1) / kTileVecs;
-    const int my_pairs = warp_id < pairs ? (pairs - warp_id + warps - 1) / warps : 0;
-    const int steps = my_pairs * tiles_per_row;
+    const PairWalk<kUnroll> walk(p, vecs);
+    const int steps = walk.steps;
     const uint4* w = static_cast<const uint4*>(p.w);
 
-    auto place = [&](int s) {
-        const int nth = s / tiles_per_row;
-        const int tile = s - nth * tiles_per_row;
-        return StepPlace{warp_id + nth * warps, tile * kTileVecs + lane,
-                         tile == tiles_per_row - 1};
-    };
     auto load = [&](int s, Tile<kUnroll>& t) {
-        const StepPlace at = place(s);
+        const StepPlace at = walk.place(s);
         const int row0 = 2 * at.pair;
         const uint4* r0 = w + static_cast<long long>(row0) * vecs;
         const bool has_row1 = row0 + 1 < p.n;
@@ -195,44 +248,17 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
     stage_input<T>(p, x_s, g_s);
     __syncthreads();
 
-    const T* residual = static_cast<const T*>(p.residual);
-    T* y = static_cast<T*>(p.y);
     float acc0 = 0.f, acc1 = 0.f;
     auto consume = [&](int s, const Tile<kUnroll>& t) {
-        const StepPlace at = place(s);
+        const StepPlace at = walk.place(s);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int v = at.first_vec + u * 32;
-            if (v < vecs) {
-                float xf[8], w0[8], w1[8];
-                widen8(x_s[v], static_cast<T*>(nullptr), xf);
-                widen8(t.v[0][u], static_cast<T*>(nullptr), w0);
-                widen8(t.v[1][u], static_cast<T*>(nullptr), w1);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    acc0 = fmaf(w0[j], xf[j], acc0);
-                    acc1 = fmaf(w1[j], xf[j], acc1);
-                }
-            }
+            if (v < vecs) accumulate_piece<T>(x_s[v], t.v[0][u], t.v[1][u], acc0, acc1);
         }
         if (!at.last_of_row) return;
-        const float sum0 = warp_sum(acc0);
-        const float sum1 = warp_sum(acc1);
+        finish_pair<T>(p, at.pair, walk.lane, acc0, acc1);
         acc0 = acc1 = 0.f;
-        if (lane != 0) return;
-        const int row0 = 2 * at.pair;
-        if (p.epilogue == kEpilogueSwiGlu) {
-            // Rounded where the unfused chain (product, silu, multiply) rounds.
-            const float gate = round_to<T>(sum0);
-            const float up = round_to<T>(sum1);
-            const float silu = round_to<T>(gate / (1.f + __expf(-gate)));
-            y[at.pair] = from_float<T>(silu * up);
-            return;
-        }
-        const bool add = p.epilogue == kEpilogueResidual;
-        y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
-        if (row0 + 1 < p.n)
-            y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
     };
 
     // Two register buffers: while one tile is consumed, the next is in flight.
@@ -244,4 +270,86 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
             if (s + 3 < steps) load(s + 3, b);
         }
     }
+}
+
+// The ring form (sm_80 and later): each warp streams its tiles through a ring of kStages slots
+// in shared memory, filled by cp.async. The bytes in flight then live in shared memory, not in
+// registers, and one CTA per SM keeps more of them in flight than the register form's two. A
+// lane reads back only the pieces it copied itself, so the ring needs no barrier; and the next
+// copy is issued before a warp waits, so every slot is in flight while it does.
+template <int kUnroll, int kStages>
+struct MatVecRingLayout {
+    static constexpr int kSlotVecs = 2 * 32 * kUnroll;  // one tile of a pair
+    // The rings of all warps, at the base of shared memory; the staged input follows.
+    static constexpr int kRingBytes = kMatVecWarps * kStages * kSlotVecs * 16;
+};
+
+template <typename T, int kUnroll, int kStages>
+__device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using Ring = MatVecRingLayout<kUnroll, kStages>;
+    constexpr int kTileVecs = 32 * kUnroll;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int vecs = p.k / 8;
+    const PairWalk<kUnroll> walk(p, vecs);
+    const int steps = walk.steps;
+    const int lane = walk.lane;
+    uint4* ring = reinterpret_cast<uint4*>(smem) + (threadIdx.x / 32) * kStages * Ring::kSlotVecs;
+    uint4* x_s = reinterpret_cast<uint4*>(smem + Ring::kRingBytes);
+    uint4* g_s = x_s + vecs;
+    const uint4* w = static_cast<const uint4*>(p.w);
+    const unsigned long long policy = l2_evict_first_policy();
+
+    // Step s's copies into its slot, one commit group per step (empty past the end, so that the
+    // group count stays in step with s).
+    auto issue = [&](int s) {
+        if (s < steps) {
+            const StepPlace at = walk.place(s);
+            const int row0 = 2 * at.pair;
+            const uint4* r0 = w + static_cast<long long>(row0) * vecs;
+            const bool has_row1 = row0 + 1 < p.n;
+            const unsigned slot =
+                static_cast<unsigned>(__cvta_generic_to_shared(ring + (s % kStages) * Ring::kSlotVecs + lane));
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int v = at.first_vec + u * 32;
+                if (v < vecs) {
+                    cp_async16_to_hint(slot + u * 32 * 16, r0 + v, policy);
+                    if (has_row1) cp_async16_to_hint(slot + (kTileVecs + u * 32) * 16, r0 + vecs + v, policy);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+
+    // The weights do not depend on the previous kernel: fill the ring before waiting for it.
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue(s);
+    allow_dependent_launch();
+    wait_for_prerequisite_grid();
+    stage_input<T>(p, x_s, g_s);
+    __syncthreads();
+
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int s = 0; s < steps; ++s) {
+        // The slot step s + kStages - 1 fills was consumed by step s - 1.
+        issue(s + kStages - 1);
+        cp_async_wait<kStages - 1>();
+        const StepPlace at = walk.place(s);
+        const uint4* slot = ring + (s % kStages) * Ring::kSlotVecs + lane;
+        const bool has_row1 = 2 * at.pair + 1 < p.n;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int v = at.first_vec + u * 32;
+            if (v < vecs) {
+                const uint4 w1 = has_row1 ? slot[kTileVecs + u * 32] : make_uint4(0, 0, 0, 0);
+                accumulate_piece<T>(x_s[v], slot[u * 32], w1, acc0, acc1);
+            }
+        }
+        if (!at.last_of_row) continue;
+        finish_pair<T>(p, at.pair, lane, acc0, acc1);
+        acc0 = acc1 = 0.f;
+    }
+    cp_async_wait<0>();
+#endif
 }

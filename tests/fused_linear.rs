@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_splitkv::fused_linear::{fused_launch_count, poison_fused_outputs};
+use candle_splitkv::fused_linear::{fused_launch_count, poison_fused_outputs, ring_form_for_all};
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
 use common::gpu;
 
@@ -222,7 +222,8 @@ fn check_gpu_shapes(dev: &Device, shapes: &[(usize, usize)]) -> Result<()> {
     Ok(())
 }
 
-/// Llama-3-8B's projection shapes (large: not for the memory checkers).
+/// Llama-3-8B's projection shapes (large: not for the memory checkers); gate/up takes the ring
+/// form, the others the register forms.
 #[test]
 fn gpu_fused_kernel_llama_shapes() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -230,6 +231,26 @@ fn gpu_fused_kernel_llama_shapes() -> Result<()> {
         &dev,
         &[(4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)],
     )
+}
+
+/// The ring form on the small and ragged shapes (small enough for the memory checkers).
+#[test]
+fn gpu_ring_form_matches_reference() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    ring_form_for_all(true);
+    let checked = check_gpu_shapes(
+        &dev,
+        &[
+            (2, 8),
+            (17, 40),
+            (1000, 1032),
+            (302, 14336),
+            (5000, 64),
+            (9000, 256),
+        ],
+    );
+    ring_form_for_all(false);
+    checked
 }
 
 #[test]

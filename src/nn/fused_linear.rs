@@ -185,6 +185,17 @@ pub fn poison_fused_outputs(on: bool) {
     let _ = on;
 }
 
+/// Test hook (feature `test-hooks`): run every fused projection from this thread through the
+/// shared-memory ring form wherever the device can take it, not only the long weight streams
+/// the form is chosen for, so that small shapes test it too.
+#[cfg(feature = "test-hooks")]
+pub fn ring_form_for_all(on: bool) {
+    #[cfg(feature = "cuda")]
+    cuda::RING_FOR_ALL.set(on);
+    #[cfg(not(feature = "cuda"))]
+    let _ = on;
+}
+
 /// Test hook (feature `test-hooks`): how many times this thread has launched the fused kernel.
 #[cfg(feature = "test-hooks")]
 pub fn fused_launch_count() -> u64 {

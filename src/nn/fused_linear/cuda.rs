@@ -8,7 +8,9 @@ use half::{bf16, f16};
 
 use super::{LinearInput, LinearOutput};
 use crate::cuda::kernels::{KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue};
-use crate::cuda::launch::{device_ptr, launch_dependent, resident_ctas, tensor_ptr};
+use crate::cuda::launch::{
+    device_ptr, launch_dependent, max_smem_per_cta, resident_ctas, tensor_ptr,
+};
 
 /// The staged input lives in shared memory; past this the kernel would need an opt-in limit
 /// that not every GPU has, and such wide layers are rare, so they take the unfused path.
@@ -18,7 +20,14 @@ const MAX_STAGED_BYTES: usize = 48 * 1024;
 thread_local! {
     /// Fused launches from this thread, for tests that must know the kernel ran.
     pub(super) static FUSED_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// The ring form for every shape it fits, for tests of small shapes.
+    pub(super) static RING_FOR_ALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
+
+/// Weights from this size up stream through the ring form: measured faster there (the
+/// Llama-3-8B gate/up and lm_head projections), while shorter streams (q/k/v, o, down) ran as
+/// fast or faster in the register forms, which start streaming with less setup.
+const RING_MIN_WEIGHT_BYTES: usize = 128 << 20;
 
 /// Runs the fused kernel when it applies (CUDA, f16/bf16, one row, 16-byte aligned rows, input
 /// small enough to stage); `None` means the caller should run the unfused ops. Shapes were
@@ -69,14 +78,54 @@ pub(super) fn try_fused(
     )))
 }
 
-/// The kernel form and grid for an `n`-row weight. The deep form (four loads per lane and row
-/// per tile, two CTAs per SM) streams best; the shallow one (two loads, three CTAs per SM) has
-/// more warps, and wins when its one round of row pairs would take the deep one two.
+/// A fused launch: the kernel, its grid and the dynamic shared memory it takes.
+struct Launch {
+    spec: &'static KernelSpec,
+    func: CudaFunction,
+    grid: u32,
+    smem_bytes: usize,
+}
+
+/// The kernel form and grid for an `n × k` weight of `elem`-byte elements whose staged input
+/// takes `staged` bytes.
+///
+/// Long weight streams take the ring form (one CTA per SM, the bytes in flight in shared
+/// memory) where the device lets a CTA take its rings and the staged input. Elsewhere, the
+/// register forms: the deep one (four loads per lane and row per tile, two CTAs per SM) streams
+/// best; the shallow one (two loads, three CTAs per SM) has more warps, and wins when its one
+/// round of row pairs would take the deep one two.
 fn pick_kernel(
     dev: &CudaDevice,
     dtype: DType,
-    n: usize,
-) -> Result<(&'static KernelSpec, CudaFunction, u32)> {
+    (n, k): (usize, usize),
+    staged: usize,
+) -> Result<Launch> {
+    let pairs = n.div_ceil(2);
+    let warps_per_cta = |spec: &KernelSpec| spec.threads as usize / 32;
+    let grid_for = |spec: &KernelSpec, ctas: usize| {
+        pairs.div_ceil(warps_per_cta(spec)).min(ctas).max(1) as u32
+    };
+    #[cfg(feature = "test-hooks")]
+    let ring_wanted = RING_FOR_ALL.get();
+    #[cfg(not(feature = "test-hooks"))]
+    let ring_wanted = false;
+    let ring_wanted = ring_wanted || n * k * dtype.size_in_bytes() >= RING_MIN_WEIGHT_BYTES;
+    if let Some(spec) = KernelForm::MatVecRing
+        .find(dtype, dtype, 0, 0)
+        .filter(|_| ring_wanted)
+    {
+        let most = max_smem_per_cta(dev)?;
+        if spec.smem_bytes + staged <= most {
+            let func = spec.load(dev)?;
+            let ctas = resident_ctas(dev, spec.symbol, &func, spec.threads, most)?.total();
+            return Ok(Launch {
+                spec,
+                func,
+                grid: grid_for(spec, ctas),
+                smem_bytes: spec.smem_bytes + staged,
+            });
+        }
+    }
     let load = |form: KernelForm| -> Result<(&'static KernelSpec, CudaFunction, usize)> {
         let Some(spec) = form.find(dtype, dtype, 0, 0) else {
             candle_core::bail!("fused linear: no {form:?} kernel for {dtype:?} in this build")
@@ -85,8 +134,6 @@ fn pick_kernel(
         let ctas = resident_ctas(dev, spec.symbol, &func, spec.threads, MAX_STAGED_BYTES)?.total();
         Ok((spec, func, ctas))
     };
-    let pairs = n.div_ceil(2);
-    let warps_per_cta = |spec: &KernelSpec| spec.threads as usize / 32;
     let deep = load(KernelForm::MatVecDeep)?;
     let (spec, func, ctas) = if pairs > deep.2 * warps_per_cta(deep.0) {
         let shallow = load(KernelForm::MatVecShallow)?;
@@ -98,8 +145,12 @@ fn pick_kernel(
     } else {
         deep
     };
-    let grid = pairs.div_ceil(warps_per_cta(spec)).min(ctas).max(1);
-    Ok((spec, func, grid as u32))
+    Ok(Launch {
+        spec,
+        func,
+        grid: grid_for(spec, ctas),
+        smem_bytes: staged,
+    })
 }
 
 /// Shared memory for the staged input (and the norm weight beside it).
@@ -127,8 +178,13 @@ fn launch<T: CudaDType + DeviceRepr>(
     n: usize,
     k: usize,
 ) -> Result<CudaStorage> {
-    let smem_bytes = staged_bytes(input, k, std::mem::size_of::<T>());
-    let (spec, func, grid) = pick_kernel(dev, x.dtype(), n)?;
+    let staged = staged_bytes(input, k, std::mem::size_of::<T>());
+    let Launch {
+        spec,
+        func,
+        grid,
+        smem_bytes,
+    } = pick_kernel(dev, x.dtype(), (n, k), staged)?;
     let (epilogue, residual, outputs) = match output {
         LinearOutput::Plain => (MatVecEpilogue::Plain, 0, n),
         LinearOutput::AddResidual(r) => (MatVecEpilogue::Residual, address::<T>(r, dev)?, n),

@@ -292,6 +292,13 @@ pub(crate) fn max_smem_per_cta(dev: &CudaDevice) -> Result<usize> {
     Ok(bytes.max(0) as usize)
 }
 
+/// The most dynamic shared memory one CTA of `func` may take: the device's opt-in limit less
+/// the function's static shared memory, which the driver counts against the same limit.
+pub(crate) fn max_dynamic_smem(dev: &CudaDevice, func: &CudaFunction) -> Result<usize> {
+    let static_bytes = func.shared_size_bytes().w()?.max(0) as usize;
+    Ok(max_smem_per_cta(dev)?.saturating_sub(static_bytes))
+}
+
 /// Dynamic shared memory that leaves room for one CTA per SM only, if one CTA may ask for it.
 pub(crate) fn one_cta_per_sm_smem(dev: &CudaDevice) -> Result<Option<usize>> {
     let stream = dev.cuda_stream();

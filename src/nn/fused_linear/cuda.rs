@@ -9,7 +9,7 @@ use half::{bf16, f16};
 use super::{LinearInput, LinearOutput};
 use crate::cuda::kernels::{KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue};
 use crate::cuda::launch::{
-    device_ptr, launch_dependent, max_smem_per_cta, resident_ctas, tensor_ptr,
+    device_ptr, launch_dependent, max_dynamic_smem, resident_ctas, tensor_ptr,
 };
 
 /// The staged input lives in shared memory; past this the kernel would need an opt-in limit
@@ -114,9 +114,9 @@ fn pick_kernel(
         .find(dtype, dtype, 0, 0)
         .filter(|_| ring_wanted)
     {
-        let most = max_smem_per_cta(dev)?;
+        let func = spec.load(dev)?;
+        let most = max_dynamic_smem(dev, &func)?;
         if spec.smem_bytes + staged <= most {
-            let func = spec.load(dev)?;
             let ctas = resident_ctas(dev, spec.symbol, &func, spec.threads, most)?.total();
             return Ok(Launch {
                 spec,

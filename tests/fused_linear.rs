@@ -233,22 +233,24 @@ fn gpu_fused_kernel_llama_shapes() -> Result<()> {
     )
 }
 
+/// `(n, k)`: row counts odd and even, below and above one round of the grid (5000 rows take the
+/// shallow variant on an H200); widths that do and do not fill a warp's tile; a width too wide
+/// to stage with the norm weight.
+const SMALL_AND_RAGGED_SHAPES: &[(usize, usize)] = &[
+    (2, 8),
+    (17, 40),
+    (1000, 1032),
+    (302, 14336),
+    (5000, 64),
+    (9000, 256),
+];
+
 /// The ring form on the small and ragged shapes (small enough for the memory checkers).
 #[test]
 fn gpu_ring_form_matches_reference() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     ring_form_for_all(true);
-    let checked = check_gpu_shapes(
-        &dev,
-        &[
-            (2, 8),
-            (17, 40),
-            (1000, 1032),
-            (302, 14336),
-            (5000, 64),
-            (9000, 256),
-        ],
-    );
+    let checked = check_gpu_shapes(&dev, SMALL_AND_RAGGED_SHAPES);
     ring_form_for_all(false);
     checked
 }
@@ -256,20 +258,7 @@ fn gpu_ring_form_matches_reference() -> Result<()> {
 #[test]
 fn gpu_fused_kernel_matches_reference() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    // Row counts odd and even, below and above one round of the grid (5000 rows take the
-    // shallow variant on an H200); widths that do and do not fill a warp's tile; a width too
-    // wide to stage with the norm weight.
-    check_gpu_shapes(
-        &dev,
-        &[
-            (2, 8),
-            (17, 40),
-            (1000, 1032),
-            (302, 14336),
-            (5000, 64),
-            (9000, 256),
-        ],
-    )?;
+    check_gpu_shapes(&dev, SMALL_AND_RAGGED_SHAPES)?;
 
     // A view into a joined projection output, as the Llama decode step passes it.
     let joined = Tensor::randn(0f32, 1.0, (1, 1, 3 * 512), &dev)?.to_dtype(DType::BF16)?;

@@ -18,6 +18,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::attention::AttnMask;
+use candle_splitkv::test_hooks::split_plan;
 use candle_splitkv::SplitKvAttention;
 use clap::{Parser, ValueEnum};
 use rayon::prelude::*;
@@ -492,7 +493,7 @@ fn bench_cpu(args: &Args) -> Result<()> {
                 .with_softcap(args.softcap),
         );
         let (k, _) = x.kv_views()?;
-        let splits = op.split_plan(&x.q, &k)?.num_splits;
+        let splits = split_plan(&op, &x.q, &k)?.num_splits;
         // The layout candle-nn's kernel reads, copied once outside the timing.
         let flash_kv = if args.backend.includes(Backend::CandleCpuFlash) && p.kv_dtype == p.dtype {
             let (k, v) = x.kv_views()?;
@@ -626,7 +627,7 @@ mod gpu {
                         .with_cuda_kernel(kernel.choice()),
                 );
                 let (k, _) = inputs[0].kv_views()?;
-                let splits = op.split_plan(&inputs[0].q, &k)?.num_splits;
+                let splits = split_plan(&op, &inputs[0].q, &k)?.num_splits;
                 let (us, how) = timing::gpu_time(cuda, sets, args.reps, &|i| {
                     run_splitkv(&op, &inputs[i]).map(drop)
                 })?;

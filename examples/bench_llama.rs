@@ -40,10 +40,8 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_splitkv::models::llama::{
-    AttentionBackend, Llama, LlamaConfig, LoadOptions, RopeScaling,
-};
-use candle_splitkv::{CachedAttention, PagedKvCache, SequenceId};
+use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions, RopeScaling};
+use candle_splitkv::{AttentionBackend, CachedAttention, PagedKvCache, SequenceId};
 use candle_transformers::models::llama as stock;
 use clap::{Parser, ValueEnum};
 
@@ -150,13 +148,7 @@ fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> Ll
             original_max_position_embeddings: 8192,
         }),
         max_position_embeddings: max_context + CONTEXT_MARGIN,
-        tie_word_embeddings: false,
-        attention_bias: false,
-        qk_norm: false,
-        sliding_window: None,
-        gemma2: None,
-        bos_token_id: None,
-        eos_token_ids: vec![],
+        ..LlamaConfig::default()
     }
 }
 

@@ -20,7 +20,8 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{AttentionBackend, Llama};
+use candle_splitkv::models::llama::Llama;
+use candle_splitkv::AttentionBackend;
 use clap::Parser;
 use image::{Rgb, RgbImage};
 
@@ -106,19 +107,18 @@ fn main() -> Result<()> {
     );
 
     let mut logits = model.forward(&prompt)?;
-    model.set_record_lse(true);
     // columns[step][layer][head]
     let mut columns: Vec<Vec<Vec<f32>>> = Vec::with_capacity(args.steps);
     for _ in 0..args.steps {
         let next = logits.argmax(0)?.to_scalar::<u32>()?;
-        logits = model.forward(&[next])?;
-        let layers = model
-            .take_recorded_lse()
+        let (step_logits, lse) = model.forward_with_lse(&[next])?;
+        logits = step_logits;
+        let layers = lse
             .iter()
             .map(|lse: &Tensor| lse.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>())
             .collect::<candle_core::Result<Vec<_>>>()?;
         if layers.is_empty() {
-            bail!("the model recorded no LSE: its attention does not run through the split-KV op");
+            bail!("the model returned no LSE: its attention does not run through the split-KV op");
         }
         columns.push(layers);
     }

@@ -14,7 +14,8 @@ use std::path::PathBuf;
 
 use anyhow::{ensure, Result};
 use candle_core::Device;
-use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
+use candle_splitkv::models::llama::{Llama, LoadOptions};
+use candle_splitkv::AttentionBackend;
 use candle_splitkv::PagedKvCache;
 use common::batched::{check_model, tiny_requests, Request};
 use common::tiny_llama::{write_tiny_model, VOCAB};

@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_splitkv::fused_linear::{fused_launch_count, poison_fused_outputs, ring_form_for_all};
+use candle_splitkv::test_hooks::{fused_launch_count, poison_outputs, ring_form_for_all};
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
 use common::gpu;
 
@@ -194,7 +194,7 @@ fn rejects_bad_shapes() -> Result<()> {
 
 /// Every prologue and epilogue on each `(n, k)`, fused where the staged input fits.
 fn check_gpu_shapes(dev: &Device, shapes: &[(usize, usize)]) -> Result<()> {
-    poison_fused_outputs(true);
+    poison_outputs(true);
     for dtype in [DType::BF16, DType::F16] {
         for &(n, k) in shapes {
             for p in PROLOGUES {
@@ -302,6 +302,6 @@ fn gpu_fused_kernel_matches_reference() -> Result<()> {
             check("cuda fallback", &y, &case, Prologue::RmsNorm, e)?;
         }
     }
-    poison_fused_outputs(false);
+    poison_outputs(false);
     Ok(())
 }

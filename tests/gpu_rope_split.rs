@@ -6,30 +6,16 @@
 mod common;
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::fused_linear::poison_fused_outputs;
 use candle_splitkv::models::llama::{LlamaConfig, RopeLayout, RotaryEmbedding};
+use candle_splitkv::test_hooks::poison_outputs;
 use common::gpu;
 
+/// The RoPE tables read only the head dim, the context length and the frequencies.
 fn config(head_dim: usize) -> LlamaConfig {
     LlamaConfig {
-        hidden_size: 256,
-        intermediate_size: 512,
-        vocab_size: 10,
-        num_hidden_layers: 1,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
         head_dim,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        rope_scaling: None,
         max_position_embeddings: 256,
-        tie_word_embeddings: false,
-        attention_bias: false,
-        qk_norm: false,
-        sliding_window: None,
-        gemma2: None,
-        bos_token_id: None,
-        eos_token_ids: vec![],
+        ..LlamaConfig::default()
     }
 }
 
@@ -108,7 +94,7 @@ fn split_qkv_matches_f64_reference_and_the_cpu_path() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let (q_heads, kv_heads) = (4, 2);
     let heads = q_heads + 2 * kv_heads;
-    poison_fused_outputs(true);
+    poison_outputs(true);
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let tolerance = match dtype {
             DType::BF16 => 1.0 / 64.0,
@@ -197,7 +183,7 @@ fn split_qkv_matches_f64_reference_and_the_cpu_path() -> Result<()> {
             }
         }
     }
-    poison_fused_outputs(false);
+    poison_outputs(false);
 
     // Shapes that do not split are errors, not panics.
     let rope = RotaryEmbedding::new(&config(64), None, RopeLayout::Halves, DType::F32, &dev)?;

@@ -3,8 +3,8 @@
 //! e4m3's rounding error; bad scales and dtypes are clear errors.
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::cache::{CACHE_DTYPES, E4M3_MAX};
 use candle_splitkv::{KvCache, KvCacheConfig};
+use candle_splitkv::{CACHE_DTYPES, E4M3_MAX};
 use float8::F8E4M3;
 
 const KV_HEADS: usize = 2;

@@ -7,7 +7,8 @@ use std::path::Path;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
+use candle_splitkv::models::llama::{Llama, LoadOptions};
+use candle_splitkv::AttentionBackend;
 use candle_transformers::models::llama as stock;
 use common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, VOCAB};
 use rand::{rngs::StdRng, Rng, SeedableRng};

@@ -7,10 +7,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
+use candle_splitkv::models::llama::{Llama, LoadOptions};
 use candle_splitkv::models::speculative::{
     DraftModel, Drafter, PromptLookup, Sampling, SpeculativeDecoder,
 };
+use candle_splitkv::test_hooks::split_plan;
+use candle_splitkv::AttentionBackend;
 use candle_splitkv::{CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
 use common::tiny_llama::{decisive_next, write_decisive_tiny_model, write_tiny_model, VOCAB};
 
@@ -288,7 +290,7 @@ fn moved_cut(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<usize> 
     let q = Tensor::zeros((1, 1, q_heads, head_dim), DType::F32, &Device::Cpu)?;
     let chunk = |len: usize| -> Result<Option<usize>> {
         let k = Tensor::zeros((1, len, kv_heads, head_dim), DType::F32, &Device::Cpu)?;
-        let plan = op.split_plan(&q, &k)?;
+        let plan = split_plan(&op, &q, &k)?;
         Ok((plan.num_splits > 1).then_some(plan.chunk_size))
     };
     for len in 9..4096 {

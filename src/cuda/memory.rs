@@ -1,8 +1,8 @@
-//! Device memory: the pool policy for long-running processes, and NaN poisoning for the tests.
+//! Device memory: the pool policy for long-running processes, and small stream-ordered writes.
 
 use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
-use cudarc::driver::{result, sys, CudaSlice, DevicePtr};
+use cudarc::driver::{result, sys};
 
 /// Makes the pool `dev` allocates from keep freed memory for reuse (see
 /// [`crate::retain_freed_device_memory`]).
@@ -27,24 +27,6 @@ pub(crate) fn retain_freed_memory(dev: &CudaDevice) -> Result<()> {
         .map_err(candle_core::Error::wrap)?;
     }
     Ok(())
-}
-
-#[cfg(feature = "test-hooks")]
-thread_local! {
-    /// When set, the outputs of the fused projections and of the q/k/v split are filled with
-    /// NaN before their kernels run, so that tests see any element a kernel fails to write. Per
-    /// thread, so that parallel tests keep apart.
-    pub(crate) static POISON_NEW_OUTPUTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Fills a buffer with NaN bytes, so that tests catch any element a kernel fails to write.
-#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
-pub(crate) fn poison<T>(dev: &CudaDevice, buf: &CudaSlice<T>) -> Result<()> {
-    let stream = dev.cuda_stream();
-    let (ptr, _sync) = buf.device_ptr(&stream);
-    let bytes = buf.len() * std::mem::size_of::<T>();
-    // SAFETY: writes exactly the bytes of `buf`, on the stream that uses it.
-    unsafe { result::memset_d8_async(ptr, 0xff, bytes, stream.cu_stream()) }.w()
 }
 
 /// Writes `values` into the first elements of the u32 tensor `t` on its stream, one async

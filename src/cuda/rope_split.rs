@@ -106,10 +106,8 @@ fn launch<T: CudaDType + DeviceRepr>(
     let alloc = |heads: usize| unsafe { dev.alloc::<T>(rows * heads) };
     let (q, k, v) = (alloc(heads.q)?, alloc(heads.k)?, alloc(heads.v)?);
     #[cfg(feature = "test-hooks")]
-    if super::memory::POISON_NEW_OUTPUTS.get() {
-        for part in [&q, &k, &v] {
-            super::memory::poison(dev, part)?;
-        }
+    for part in [&q, &k, &v] {
+        crate::test_hooks::poison(dev, part)?;
     }
     let stride = qkv.stride();
     let params = RopeSplitParams {

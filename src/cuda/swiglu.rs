@@ -53,9 +53,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     // SAFETY: the kernel writes every element.
     let y = unsafe { dev.alloc::<T>(count.max(1))? };
     #[cfg(feature = "test-hooks")]
-    if super::memory::POISON_NEW_OUTPUTS.get() {
-        super::memory::poison(dev, &y)?;
-    }
+    crate::test_hooks::poison(dev, &y)?;
     let Some(x_ptr) = tensor_ptr::<T>(x, dev)? else {
         bail!("swiglu: x is not on CUDA")
     };

@@ -30,8 +30,11 @@ use crate::nn::attention::{CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
 use crate::nn::paged_cache::{PagedKvCache, PagedStep};
 
-pub use super::weight_form::{FormTiming, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
-pub use crate::nn::attention::AttentionBackend;
+pub use super::weight_form::{WeightChoice, WeightForm, WeightFormPolicy};
+/// The crate root's [`AttentionBackend`](crate::AttentionBackend), under the path the
+/// summarizer imports it by; hidden from the docs, and to go once it imports the root's.
+#[doc(hidden)]
+pub use crate::nn::AttentionBackend;
 pub use config::{Gemma2Extras, LlamaConfig, RopeScaling, SlidingWindow, WindowedLayers};
 use joined::{JoinedHead, JoinedLayer, LayerTensors};
 pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};
@@ -357,9 +360,6 @@ pub struct Llama {
     fused_decode: bool,
     /// Capture one-token CUDA steps as graphs (see [`Llama::set_cuda_graph`]).
     cuda_graph: bool,
-    /// Whether passes record their attention LSE (see [`Llama::set_record_lse`]).
-    record_lse: bool,
-    recorded_lse: Vec<Tensor>,
     /// The inputs of one-token CUDA steps and their graph, from the first such step on.
     #[cfg(feature = "cuda")]
     device_steps: Option<DeviceSteps>,
@@ -608,8 +608,6 @@ impl Llama {
             weight_choices: Vec::new(),
             fused_decode: true,
             cuda_graph: false,
-            record_lse: false,
-            recorded_lse: Vec::new(),
             #[cfg(feature = "cuda")]
             device_steps: None,
         })
@@ -630,8 +628,25 @@ impl Llama {
                 return self.device_step(*token);
             }
         }
-        let x = self.hidden_states(tokens, Rows::BySize)?;
-        let last = x.narrow(1, tokens.len() - 1, 1)?;
+        let x = self.hidden_states(tokens, Positions::Host(Rows::BySize))?;
+        self.last_logits(&x)
+    }
+
+    /// Like [`Llama::forward`], also returning the natural-log LSE of every layer's split-KV
+    /// attention, in layer order: one f32 `(1, q_heads, t)` tensor per layer, for debugging (a
+    /// map of them over the steps shows heads that spread or lock their attention, and splits
+    /// lost in a merge). Passes that do not run the op (a prompt of more than
+    /// [`crate::MAX_QUERY_TOKENS`] tokens, the naive backend) return no LSE. The pass runs fed
+    /// from the host, uncaptured; on the CPU its logits are those of [`Llama::forward`].
+    pub fn forward_with_lse(&mut self, tokens: &[u32]) -> Result<(Tensor, Vec<Tensor>)> {
+        let record = LseRecord::default();
+        let x = self.hidden_states(tokens, Positions::Recorded(&record))?;
+        Ok((self.last_logits(&x)?, record.into_inner()))
+    }
+
+    /// The f32 logits `(vocab,)` of the last of hidden states `(1, t, hidden)`.
+    fn last_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let last = x.narrow(1, x.dim(1)? - 1, 1)?;
         self.logits(&last, Rows::BySize)?.flatten_all()
     }
 
@@ -648,7 +663,7 @@ impl Llama {
         } else {
             Rows::BySize
         };
-        let x = self.hidden_states(tokens, rows)?;
+        let x = self.hidden_states(tokens, Positions::Host(rows))?;
         self.logits(&x, rows)?.squeeze(0)
     }
 
@@ -658,20 +673,15 @@ impl Llama {
         self.caches.iter_mut().for_each(|c| c.truncate(len));
     }
 
-    /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache.
-    fn hidden_states(&mut self, tokens: &[u32], rows: Rows) -> Result<Tensor> {
+    /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache after the
+    /// lengths the host counts.
+    fn hidden_states(&mut self, tokens: &[u32], positions: Positions) -> Result<Tensor> {
         self.check_tokens(tokens)?;
         let t = tokens.len();
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let x = self.embed(&input)?;
         let angles = self.rope.angles(&[self.cache_len()], t)?;
-        if !(self.record_lse && rows == Rows::BySize) {
-            return self.layers(x, &angles, Positions::Host(rows));
-        }
-        let record = LseRecord::default();
-        let x = self.layers(x, &angles, Positions::Recorded(&record))?;
-        self.recorded_lse.extend(record.into_inner());
-        Ok(x)
+        self.layers(x, &angles, positions)
     }
 
     /// Whether one-token steps run fed from device memory: on CUDA, with the split-KV backend
@@ -679,8 +689,7 @@ impl Llama {
     #[cfg(feature = "cuda")]
     fn takes_device_steps(&self) -> bool {
         self.device.is_cuda()
-            && !self.record_lse
-            && self.attention.backend == AttentionBackend::SplitKv
+            && self.attention.backend() == AttentionBackend::SplitKv
             && crate::SUPPORTED_HEAD_DIMS.contains(&self.config.head_dim)
     }
 
@@ -829,13 +838,14 @@ impl Llama {
         self.caches.first().map_or(0, KvCache::len)
     }
 
+    /// The attention that runs over the caches.
     pub fn backend(&self) -> AttentionBackend {
-        self.attention.backend
+        self.attention.backend()
     }
 
     /// Switches the attention backend; the cache stays valid.
     pub fn set_backend(&mut self, backend: AttentionBackend) {
-        self.attention.backend = backend;
+        self.attention = self.attention.with_backend(backend);
     }
 
     /// Whether decode steps run the fused projection kernels (dense f16/bf16 weights on CUDA).
@@ -864,20 +874,6 @@ impl Llama {
         }
         self.cuda_graph = on;
         Ok(())
-    }
-
-    /// Records the natural-log LSE of every layer's split-KV attention in the passes of
-    /// [`Llama::forward`] that run it (decode steps; off by default), for debugging:
-    /// [`Llama::take_recorded_lse`] hands them over. Recording steps run fed from the host,
-    /// uncaptured; their logits are those of plain steps on the CPU.
-    pub fn set_record_lse(&mut self, on: bool) {
-        self.record_lse = on;
-    }
-
-    /// The LSEs recorded since the last call (see [`Llama::set_record_lse`]): per step, one f32
-    /// `(1, q_heads, 1)` tensor per layer, in layer order.
-    pub fn take_recorded_lse(&mut self) -> Vec<Tensor> {
-        std::mem::take(&mut self.recorded_lse)
     }
 
     /// Whether one-token CUDA steps are captured as graphs (see [`Llama::set_cuda_graph`]).

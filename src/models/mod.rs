@@ -1,7 +1,7 @@
 //! Models patched to decode through the split-KV op.
 
-pub mod linear;
+mod linear;
 pub mod llama;
-pub mod q8_rows;
+mod q8_rows;
 pub mod speculative;
-pub mod weight_form;
+mod weight_form;

@@ -25,7 +25,7 @@ pub enum WeightForm {
     AsStored,
     /// Requantized to Q8_0 (SIMD dot products on x86 and ARM), through `QMatMul`.
     Q8_0,
-    /// Requantized to Q8_0, through the crate's rayon kernel ([`Q8Rows`]). CPU, single rows
+    /// Requantized to Q8_0, through the crate's rayon kernel (`Q8Rows`). CPU, single rows
     /// only: it is timed for decode and never picked for prefill.
     Q8_0Rows,
     /// Dequantized to dense f32, through gemm.
@@ -55,7 +55,7 @@ pub enum WeightFormPolicy {
 
 /// The forms chosen for one stored type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WeightPlan {
+pub(crate) struct WeightPlan {
     /// For single-row inputs.
     pub decode: WeightForm,
     /// For many-row inputs.
@@ -64,22 +64,23 @@ pub struct WeightPlan {
 
 /// One candidate's measured time per matmul.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FormTiming {
+pub(crate) struct FormTiming {
     pub form: WeightForm,
     pub decode: Duration,
     /// `None` when only single rows were timed.
     pub prefill: Option<Duration>,
 }
 
-/// The choice made for one stored type, with the measurements behind it.
+/// The forms chosen for the weights of one stored type, with the measurements behind them,
+/// shown as one line by `Display` (see [`Llama::weight_choices`](super::llama::Llama)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct WeightChoice {
-    pub stored: GgmlDType,
+    pub(crate) stored: GgmlDType,
     /// `(out, in)` of the weight that was timed.
-    pub sample_shape: (usize, usize),
-    pub plan: WeightPlan,
+    pub(crate) sample_shape: (usize, usize),
+    pub(crate) plan: WeightPlan,
     /// Empty when nothing was measured.
-    pub timings: Vec<FormTiming>,
+    pub(crate) timings: Vec<FormTiming>,
 }
 
 impl fmt::Display for WeightChoice {
@@ -117,7 +118,7 @@ impl fmt::Display for WeightChoice {
 
 /// Rows of the many-row timing: a typical prefill chunk is far larger; gemm efficiency has
 /// mostly levelled off by here.
-pub const PREFILL_ROWS: usize = 128;
+const PREFILL_ROWS: usize = 128;
 const DECODE_ROUNDS: usize = 10;
 /// Twice the last-level cache of common desktop and server CPUs.
 const EVICTION_BYTES: usize = 64 << 20;
@@ -131,7 +132,7 @@ const PREFILL_ROUNDS: usize = 3;
 
 /// Picks the forms for weights stored like `sample`. With `single_rows_only` (a weight that never
 /// sees more than one row, like an output head used on the last token) only decode is timed.
-pub fn choose(
+pub(crate) fn choose(
     sample: &QTensor,
     policy: WeightFormPolicy,
     device: &Device,
@@ -218,7 +219,7 @@ pub fn choose(
 }
 
 /// `weight` in `form`, ready to multiply.
-pub fn convert(weight: &QTensor, form: WeightForm) -> Result<LinearWeight> {
+pub(crate) fn convert(weight: &QTensor, form: WeightForm) -> Result<LinearWeight> {
     let device = weight.device();
     Ok(match form {
         _ if is_float(weight.dtype()) => LinearWeight::QMatMul(QMatMul::Tensor(
@@ -246,7 +247,7 @@ fn qmatmul(weight: QTensor) -> LinearWeight {
 }
 
 /// A linear layer for `weight` following `plan`; the second form is built only when it differs.
-pub fn linear(weight: QTensor, plan: WeightPlan) -> Result<Linear> {
+pub(crate) fn linear(weight: QTensor, plan: WeightPlan) -> Result<Linear> {
     if plan.decode == plan.prefill || is_float(weight.dtype()) {
         return Ok(Linear::new(into_form(weight, plan.decode)?));
     }

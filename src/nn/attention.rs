@@ -28,8 +28,7 @@ pub enum AttentionBackend {
     Naive,
 }
 
-/// Query rows per block of the causal prefill: large enough for efficient matmuls, small
-/// enough that the diagonal block (half of it masked) is a small share of the work.
+/// Query rows per block of the causal prefill (see [`CachedAttention::with_prefill_block`]).
 const DEFAULT_PREFILL_BLOCK: usize = 128;
 
 /// Causal attention of new tokens over a [`KvCache`].
@@ -45,30 +44,16 @@ const DEFAULT_PREFILL_BLOCK: usize = 128;
 /// the last `window_left` before it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CachedAttention {
-    pub softmax_scale: f32,
-    pub backend: AttentionBackend,
-    /// Query rows per block of the causal prefill.
-    pub prefill_block: usize,
-    /// Sliding window: a token at position p sees positions p − `window_left` ..= p only (see
-    /// [`SplitKvAttention::window_left`]); every path applies it.
-    pub window_left: Option<usize>,
-    /// Scores (after the softmax scale) soft-capped as c·tanh(s/c) before the softmax (see
-    /// [`SplitKvAttention::softcap`]); every path applies it.
-    pub softcap: Option<f32>,
-}
-
-/// Runs [`CachedAttention`] with the default (split-KV) backend.
-pub fn cached_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cache: &mut KvCache,
     softmax_scale: f32,
-) -> Result<Tensor> {
-    CachedAttention::new(softmax_scale).forward(q, k, v, cache)
+    backend: AttentionBackend,
+    prefill_block: usize,
+    window_left: Option<usize>,
+    softcap: Option<f32>,
 }
 
 impl CachedAttention {
+    /// Attention with `softmax_scale` (the multiplier of q·k before the softmax, usually
+    /// `1 / sqrt(head_dim)`), the split-KV backend, no window and no soft-capping.
     pub fn new(softmax_scale: f32) -> Self {
         Self {
             softmax_scale,
@@ -79,22 +64,37 @@ impl CachedAttention {
         }
     }
 
+    /// Picks the attention that runs over the cache (see [`AttentionBackend`]).
     pub fn with_backend(mut self, backend: AttentionBackend) -> Self {
         self.backend = backend;
         self
     }
 
-    /// A sliding window of `window_left` positions before each token's own (see
-    /// [`CachedAttention::window_left`]).
+    /// Sliding window: a token at position p sees positions p − `window_left` ..= p only (see
+    /// [`SplitKvAttention::with_window_left`]); every path applies it.
     pub fn with_window_left(mut self, window_left: Option<usize>) -> Self {
         self.window_left = window_left;
         self
     }
 
-    /// Soft-caps the scores at `softcap` (see [`CachedAttention::softcap`]).
+    /// Scores (after the softmax scale) soft-capped as c·tanh(s/c) before the softmax (see
+    /// [`SplitKvAttention::with_softcap`]); every path applies it.
     pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
         self.softcap = softcap;
         self
+    }
+
+    /// Query rows per block of the causal prefill (128 by default, at least 1): large enough
+    /// for efficient matmuls, small enough that the diagonal block, half of it masked, is a
+    /// small share of the work.
+    pub fn with_prefill_block(mut self, rows: usize) -> Self {
+        self.prefill_block = rows;
+        self
+    }
+
+    /// The attention that runs over the cache.
+    pub fn backend(&self) -> AttentionBackend {
+        self.backend
     }
 
     /// Appends k and v to the cache, then attends q over it (see the type's docs).
@@ -879,13 +879,17 @@ mod tests {
         let mut cache = cache(1, 2, 64)?;
         let q = Tensor::zeros((1, 3, 4, 64), DType::F32, &dev)?;
         let k = Tensor::zeros((1, 2, 2, 64), DType::F32, &dev)?;
-        let err = cached_attention(&q, &k, &k, &mut cache, 0.1).unwrap_err();
+        let err = CachedAttention::new(0.1)
+            .forward(&q, &k, &k, &mut cache)
+            .unwrap_err();
         assert!(
             err.to_string().contains("(batch, t, kv_heads, head_dim)"),
             "{err}"
         );
         let q = Tensor::zeros((1, 2, 3, 64), DType::F32, &dev)?;
-        assert!(cached_attention(&q, &k, &k, &mut cache, 0.1).is_err());
+        assert!(CachedAttention::new(0.1)
+            .forward(&q, &k, &k, &mut cache)
+            .is_err());
         assert!(cache.is_empty());
         Ok(())
     }

@@ -13,7 +13,6 @@
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::stored_kv::StoredForm;
-pub use super::stored_kv::{CACHE_DTYPES, E4M3_MAX};
 #[cfg(feature = "cuda")]
 use crate::cuda::cache_write::RowStarts;
 
@@ -27,7 +26,7 @@ pub struct KvCacheConfig {
     pub initial_capacity: usize,
     /// Positions the cache may grow to, per sequence (usually the model's context length).
     pub max_capacity: usize,
-    /// The stored dtype, one of [`CACHE_DTYPES`]: f32, f16, bf16 or f8e4m3.
+    /// The stored dtype, one of [`CACHE_DTYPES`](crate::CACHE_DTYPES): f32, f16, bf16 or f8e4m3.
     pub dtype: DType,
     pub device: Device,
     /// Keys are stored divided by this (real = stored × `k_scale`); finite and positive, 1.0
@@ -66,7 +65,7 @@ pub struct KvCache {
 impl KvCache {
     /// Allocates the cache with `config.initial_capacity` positions per sequence (at least 1, at
     /// most `config.max_capacity`), filled with zeros. Fails on a dtype outside
-    /// [`CACHE_DTYPES`] and on scales that are not finite and positive.
+    /// [`CACHE_DTYPES`](crate::CACHE_DTYPES) and on scales that are not finite and positive.
     pub fn new(config: &KvCacheConfig) -> Result<Self> {
         let KvCacheConfig {
             batch,

@@ -161,7 +161,7 @@ fn unfused(x: &Tensor, w: &Tensor, input: LinearInput, output: LinearOutput) -> 
 /// `x (…, k) · Wᵀ` with every leading dim taken as rows of one matrix product. Candle's
 /// `QMatMul` on a dense weight multiplies a `(b, t, k)` input as b products of t rows, each
 /// reading the whole weight: b decode rows of a batch would read it b times.
-pub fn matmul_rows(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
+pub(crate) fn matmul_rows(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
     if x.rank() <= 2 {
         return w.forward(x);
     }
@@ -172,35 +172,4 @@ pub fn matmul_rows(w: &QMatMul, x: &Tensor) -> Result<Tensor> {
     let mut out = dims[..dims.len() - 1].to_vec();
     out.push(y.dim(1)?);
     y.reshape(out)
-}
-
-/// Test hook (feature `test-hooks`): fill the outputs of the fused kernels (the projections and
-/// the q/k/v split) with NaN before each launch from this thread, so that an element a kernel
-/// fails to write cannot pass for a result.
-#[cfg(feature = "test-hooks")]
-pub fn poison_fused_outputs(on: bool) {
-    #[cfg(feature = "cuda")]
-    crate::cuda::memory::POISON_NEW_OUTPUTS.set(on);
-    #[cfg(not(feature = "cuda"))]
-    let _ = on;
-}
-
-/// Test hook (feature `test-hooks`): run every fused projection from this thread through the
-/// shared-memory ring form wherever the device can take it, not only the long weight streams
-/// the form is chosen for, so that small shapes test it too.
-#[cfg(feature = "test-hooks")]
-pub fn ring_form_for_all(on: bool) {
-    #[cfg(feature = "cuda")]
-    cuda::RING_FOR_ALL.set(on);
-    #[cfg(not(feature = "cuda"))]
-    let _ = on;
-}
-
-/// Test hook (feature `test-hooks`): how many times this thread has launched the fused kernel.
-#[cfg(feature = "test-hooks")]
-pub fn fused_launch_count() -> u64 {
-    #[cfg(feature = "cuda")]
-    return cuda::FUSED_LAUNCHES.get();
-    #[cfg(not(feature = "cuda"))]
-    0
 }

@@ -2,9 +2,15 @@
 //! for many sequences at once, the attention layer that appends to it and attends, and
 //! projections fused with the work around them.
 
-pub mod attention;
-pub mod cache;
-pub mod fused_linear;
+pub(crate) mod attention;
+pub(crate) mod cache;
+pub(crate) mod fused_linear;
 mod page_allocator;
-pub mod paged_cache;
+pub(crate) mod paged_cache;
 mod stored_kv;
+
+pub use attention::{AttentionBackend, CachedAttention, DeviceLengths};
+pub use cache::{KvCache, KvCacheConfig};
+pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
+pub use paged_cache::{PagedKvCache, PagedKvCacheConfig, PagedStep, SequenceId};
+pub use stored_kv::CACHE_DTYPES;

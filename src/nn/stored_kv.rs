@@ -2,11 +2,9 @@
 //! a per-tensor scale, and for fp8 (e4m3) saturated to the finite range.
 //!
 //! The real value is the stored one times the scale. e4m3 has no infinities, so fp8 writes go
-//! through [`crate::fp8::quantize_e4m3`], which saturates at ±[`E4M3_MAX`] on every device.
+//! through [`crate::quantize_e4m3`], which saturates at ±[`crate::E4M3_MAX`] on every device.
 
 use candle_core::{bail, DType, Result, Tensor};
-
-pub use crate::fp8::E4M3_MAX;
 
 /// The dtypes a KV cache may store keys and values in.
 pub const CACHE_DTYPES: [DType; 4] = [DType::F32, DType::F16, DType::BF16, DType::F8E4M3];

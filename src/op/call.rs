@@ -42,9 +42,6 @@ pub(crate) struct DecodeCall<'a> {
     /// Whether the caller waits for the log-sum-exp.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub want_lse: bool,
-    /// Fill the output and the split scratch with NaN before the kernels run (test hook).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub poison_outputs: bool,
 }
 
 impl DecodeCall<'_> {

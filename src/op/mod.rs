@@ -8,7 +8,7 @@ pub(crate) mod call;
 pub(crate) mod cpu;
 mod merge;
 pub(crate) mod page_divisor;
-pub mod plan;
+pub(crate) mod plan;
 pub(crate) mod validate;
 
 use std::sync::{Arc, Mutex};
@@ -30,51 +30,33 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 ///   `len − t + i` (causal, aligned to the end of the cache); a token that sees no key gets
 ///   zeros and an LSE of −inf. The t tokens of a sequence share one pass over its K/V.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous. Both in
-///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::k_scale`] and
-///   [`SplitKvAttention::v_scale`] giving the real values; on CUDA fp8 takes an f16 or bf16 q
-///   and a build for compute capability 89 or later.
+///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::with_kv_scales`] giving the
+///   real values; on CUDA fp8 takes an f16 or bf16 q and a build for compute capability 89 or
+///   later.
 /// - output: the shape and dtype of q.
 ///
 /// `q_heads` must be a multiple of `kv_heads` (grouped-query attention with any group size).
+///
+/// Built with [`SplitKvAttention::new`] and the `with_*` methods, run with
+/// [`SplitKvAttention::forward`] or [`SplitKvAttention::forward_with_lse`].
 #[derive(Debug, Clone)]
 pub struct SplitKvAttention {
-    /// Multiplier applied to q·k before the softmax, usually `1 / sqrt(head_dim)`.
-    pub softmax_scale: f32,
-    /// `None`: the split heuristic decides. `Some(n)`: force n splits (clamped to one position per
-    /// split at least). Results agree across n within fp32 rounding.
-    pub num_splits: Option<usize>,
-    /// Optional u32 `(batch,)` lengths: positions at or past `seqlens_k[b]` are ignored. On
-    /// CUDA each sequence is then cut into the plan's splits by its own length, so that a call
-    /// planned for a longer view (a captured step over a whole cache) keeps every split busy.
-    pub seqlens_k: Option<Tensor>,
-    /// The CUDA kernel family; results agree across families within the dtype's rounding.
-    pub cuda_kernel: CudaKernel,
-    /// The real keys are the stored ones times `k_scale` (1 by default): for fp8 (e4m3) K/V
-    /// stored divided by a per-tensor scale.
-    pub k_scale: f32,
-    /// The real values are the stored ones times `v_scale` (1 by default).
-    pub v_scale: f32,
-    /// Sliding window: a query at position p sees keys p − `window_left` ..= p only (Mistral,
-    /// Gemma-2's local layers). `None`: every key before it. At least 1.
-    pub window_left: Option<usize>,
-    /// Logit soft-capping: scores (after `softmax_scale`) become `c·tanh(s/c)` before the
-    /// softmax (Gemma-2: c = 50). `None`: plain scores. Finite and positive.
-    pub softcap: Option<f32>,
-    /// Paged K/V: u32 `(batch, max_pages_per_seq)` on q's device. k and v are then a pool
-    /// `(num_pages, page_size, kv_heads, head_dim)` (only the last dim contiguous, so a head-major
-    /// pool goes in as a transposed view), and position p of sequence b is row `p % page_size`
-    /// of page `block_table[b][p / page_size]`. Needs [`SplitKvAttention::seqlens_k`]; entries
-    /// past a sequence's last page are never read. On the CPU a page index outside the pool, or
-    /// a row too short for its sequence's length, is an error; on CUDA, where checking would need
-    /// a host synchronisation, the table is trusted: a bad entry reads outside the pool.
-    pub block_table: Option<Tensor>,
+    softmax_scale: f32,
+    num_splits: Option<usize>,
+    seqlens_k: Option<Tensor>,
+    cuda_kernel: CudaKernel,
+    k_scale: f32,
+    v_scale: f32,
+    window_left: Option<usize>,
+    softcap: Option<f32>,
+    block_table: Option<Tensor>,
     lse_slot: Option<LseSlot>,
-    #[cfg(feature = "test-hooks")]
-    poison_outputs: bool,
 }
 
 impl SplitKvAttention {
-    /// The op with the heuristic split count and no per-sequence lengths.
+    /// The op with `softmax_scale` (the multiplier of q·k before the softmax, usually
+    /// `1 / sqrt(head_dim)`), the heuristic split count, no per-sequence lengths, K/V as stored
+    /// (scales of 1), no window and no soft-capping.
     pub fn new(softmax_scale: f32) -> Self {
         Self {
             softmax_scale,
@@ -87,61 +69,67 @@ impl SplitKvAttention {
             softcap: None,
             block_table: None,
             lse_slot: None,
-            #[cfg(feature = "test-hooks")]
-            poison_outputs: false,
         }
     }
 
-    /// Forces `num_splits` splits (`None` restores the heuristic).
+    /// `Some(n)`: forces n splits (clamped to one position per split at least). `None`: the
+    /// split heuristic decides from the batch, head count, length and hardware. Results agree
+    /// across n within fp32 rounding.
     pub fn with_num_splits(mut self, num_splits: Option<usize>) -> Self {
         self.num_splits = num_splits;
         self
     }
 
-    /// Picks the CUDA kernel family (see [`CudaKernel`]).
+    /// Picks the CUDA kernel family (see [`CudaKernel`]); results agree across families within
+    /// the dtype's rounding.
     pub fn with_cuda_kernel(mut self, kernel: CudaKernel) -> Self {
         self.cuda_kernel = kernel;
         self
     }
 
-    /// The per-tensor scales of K and V: the real values are the stored ones times these.
+    /// The per-tensor scales of K and V (1 by default): the real values are the stored ones
+    /// times these, as for fp8 (e4m3) K/V stored divided by a scale (see
+    /// [`quantize_e4m3`](crate::quantize_e4m3)). Finite and positive.
     pub fn with_kv_scales(mut self, k_scale: f32, v_scale: f32) -> Self {
         self.k_scale = k_scale;
         self.v_scale = v_scale;
         self
     }
 
-    /// A sliding window of `window_left` positions before each query's own (see
-    /// [`SplitKvAttention::window_left`]).
+    /// Sliding window: a query at position p sees keys p − `window_left` ..= p only (Mistral,
+    /// Gemma-2's local layers); keys before the window are not read. `None`: every key before
+    /// it. At least 1.
     pub fn with_window_left(mut self, window_left: Option<usize>) -> Self {
         self.window_left = window_left;
         self
     }
 
-    /// Soft-caps the scores at `softcap` (see [`SplitKvAttention::softcap`]).
+    /// Logit soft-capping: scores (after the softmax scale) become `c·tanh(s/c)` before the
+    /// softmax (Gemma-2: c = 50). `None`: plain scores. Finite and positive.
     pub fn with_softcap(mut self, softcap: Option<f32>) -> Self {
         self.softcap = softcap;
         self
     }
 
-    /// Restricts each batch entry to its first `seqlens_k[b]` positions.
+    /// Restricts each batch entry to its first `seqlens_k[b]` positions: u32 `(batch,)` on q's
+    /// device, positions at or past the length ignored. On CUDA each sequence is then cut into
+    /// the plan's splits by its own length, so that a call planned for a longer view (a step
+    /// over a whole cache) keeps every split busy.
     pub fn with_seqlens(mut self, seqlens_k: Tensor) -> Self {
         self.seqlens_k = Some(seqlens_k);
         self
     }
 
-    /// Reads K/V from a pool of pages through `block_table` (see
-    /// [`SplitKvAttention::block_table`]).
+    /// Reads K/V from a pool of pages: `block_table` is u32 `(batch, max_pages_per_seq)` on q's
+    /// device, k and v are then a pool `(num_pages, page_size, kv_heads, head_dim)` (only the
+    /// last dim contiguous, so a head-major pool goes in as a transposed view), and position p
+    /// of sequence b is row `p % page_size` of page `block_table[b][p / page_size]`. Needs
+    /// [`SplitKvAttention::with_seqlens`]; entries past a sequence's last page are never read.
+    /// On the CPU a page index outside the pool, or a row too short for its sequence's length,
+    /// is an error; on CUDA, where checking would need a host synchronisation, the table is
+    /// trusted: a bad entry reads outside the pool.
     pub fn with_block_table(mut self, block_table: Tensor) -> Self {
         self.block_table = Some(block_table);
-        self
-    }
-
-    /// Test hook (feature `test-hooks`): fill the output and the split scratch with NaN before
-    /// the kernels run, so that any element they fail to write shows up.
-    #[cfg(feature = "test-hooks")]
-    pub fn with_poisoned_outputs(mut self) -> Self {
-        self.poison_outputs = true;
         self
     }
 
@@ -196,7 +184,7 @@ impl SplitKvAttention {
     /// The split plan this op uses for `q` and `k` on their device: the heuristic's choice (on
     /// sm_90, at short contexts, possibly fewer splits so that they merge inside clusters), or
     /// the forced count clamped to the sequence.
-    pub fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
+    pub(crate) fn split_plan(&self, q: &Tensor, k: &Tensor) -> Result<SplitPlan> {
         let dims = validate::check_tensors(q, k, k, self.block_table.as_ref())?;
         let call = self.call(dims)?;
         match q.device() {
@@ -226,10 +214,6 @@ impl SplitKvAttention {
             block_table: self.block_table.as_ref(),
             cuda_kernel: self.cuda_kernel,
             want_lse: self.lse_slot.is_some(),
-            #[cfg(feature = "test-hooks")]
-            poison_outputs: self.poison_outputs,
-            #[cfg(not(feature = "test-hooks"))]
-            poison_outputs: false,
         })
     }
 

@@ -32,6 +32,7 @@ pub struct SplitPlan {
 /// - No split when the units alone fill the slots, or when the sequence is at most one chunk.
 /// - Otherwise as many splits as fit in one wave of the slots, with chunks of at least
 ///   [`MIN_CHUNK`] positions, rounded to [`CHUNK_ALIGN`], and at most [`MAX_SPLITS`] splits.
+#[cfg(test)]
 pub fn plan(batch: usize, kv_heads: usize, seq_len: usize, parallel_slots: usize) -> SplitPlan {
     plan_with_min_chunk(batch, kv_heads, seq_len, parallel_slots, MIN_CHUNK)
 }
@@ -72,6 +73,7 @@ pub fn forced(seq_len: usize, num_splits: usize) -> SplitPlan {
 
 /// `splits` chunks of [`CHUNK_ALIGN`]-rounded length over `seq_len` positions, or fewer where the
 /// rounding leaves the last ones empty.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn aligned(seq_len: usize, splits: usize) -> SplitPlan {
     chunked(seq_len, splits.max(1), CHUNK_ALIGN)
 }
@@ -80,6 +82,7 @@ pub fn aligned(seq_len: usize, splits: usize) -> SplitPlan {
 /// rounds of items as the slots allow, then as few CTAs as those rounds need, so that every CTA
 /// walks the same number of items or one fewer (512 items on 264 slots: 256 CTAs of two items,
 /// rather than 264 of which 16 walk one while the rest wait on their second).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub fn persistent_ctas(items: usize, resident: usize) -> usize {
     let rounds = items.div_ceil(resident.max(1)).max(1);
     items.div_ceil(rounds)

@@ -41,10 +41,11 @@ pub fn gpu() -> Option<Device> {
     }
 }
 
-/// The op with its output and split scratch filled with NaN before the kernels run, so that an
-/// element they fail to write fails the comparison.
+/// The op, with this thread's kernel outputs and split scratch filled with NaN before the
+/// kernels run from here on, so that an element they fail to write fails the comparison.
 pub fn poisoned(scale: f32) -> SplitKvAttention {
-    SplitKvAttention::new(scale).with_poisoned_outputs()
+    candle_splitkv::test_hooks::poison_outputs(true);
+    SplitKvAttention::new(scale)
 }
 
 /// One decode problem's sizes.

@@ -84,6 +84,35 @@ pub struct LlamaConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The shape HF transformers' `LlamaConfig` defaults to (Llama 2 7B: 32 layers of 32 heads of
+/// 128, hidden size 4096, a 32000-token vocabulary, a 2048-token context), as plain Llama: no
+/// RoPE scaling, biases, q/k norms, window or Gemma-2 additions, and no special tokens. Name
+/// what differs: `LlamaConfig { num_hidden_layers: 2, ..Default::default() }`.
+impl Default for LlamaConfig {
+    fn default() -> Self {
+        Self {
+            hidden_size: 4096,
+            intermediate_size: 11008,
+            vocab_size: 32000,
+            num_hidden_layers: 32,
+            num_attention_heads: 32,
+            num_key_value_heads: 32,
+            head_dim: 128,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            max_position_embeddings: 2048,
+            tie_word_embeddings: false,
+            attention_bias: false,
+            qk_norm: false,
+            sliding_window: None,
+            gemma2: None,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+        }
+    }
+}
+
 /// The `general.architecture`s of a GGUF file this decoder runs.
 pub const SUPPORTED_GGUF_ARCHITECTURES: [&str; 5] = ["llama", "qwen2", "qwen3", "phi3", "gemma2"];
 
@@ -579,6 +608,15 @@ mod tests {
                 original_max_position_embeddings: 8192
             })
         );
+        Ok(())
+    }
+
+    #[test]
+    fn the_default_is_a_valid_llama2_7b_shape() -> Result<()> {
+        let c = LlamaConfig::default();
+        c.validate()?;
+        assert_eq!(c.num_attention_heads * c.head_dim, c.hidden_size);
+        assert_eq!(c.window_left(0), None);
         Ok(())
     }
 

@@ -262,24 +262,11 @@ mod tests {
 
     fn config(scaling: Option<RopeScaling>) -> LlamaConfig {
         LlamaConfig {
-            hidden_size: 256,
-            intermediate_size: 512,
-            vocab_size: 10,
-            num_hidden_layers: 1,
-            num_attention_heads: 4,
-            num_key_value_heads: 2,
             head_dim: 64,
-            rms_norm_eps: 1e-5,
             rope_theta: 500_000.0,
             rope_scaling: scaling,
             max_position_embeddings: 64,
-            tie_word_embeddings: false,
-            attention_bias: false,
-            qk_norm: false,
-            sliding_window: None,
-            gemma2: None,
-            bos_token_id: None,
-            eos_token_ids: vec![],
+            ..LlamaConfig::default()
         }
     }
 

@@ -28,7 +28,7 @@ pub enum Sampling {
 
 impl Sampling {
     /// The distribution tokens are drawn from after `logits`; `None` for greedy decoding.
-    pub fn distribution(self, logits: &[f32]) -> Result<Option<Vec<f64>>> {
+    pub(crate) fn distribution(self, logits: &[f32]) -> Result<Option<Vec<f64>>> {
         match self {
             Sampling::Greedy => Ok(None),
             Sampling::Temperature(t) => probabilities(logits, t).map(Some),
@@ -44,7 +44,7 @@ impl Sampling {
     }
 
     /// Checks the temperature, `top_k ≥ 1` and `top_p` in (0, 1].
-    pub fn check(self) -> Result<()> {
+    pub(crate) fn check(self) -> Result<()> {
         let (temperature, top_k, top_p) = match self {
             Sampling::Greedy => return Ok(()),
             Sampling::Temperature(t) => (t, None, None),
@@ -105,13 +105,13 @@ fn truncated(mut p: Vec<f64>, top_k: Option<usize>, top_p: Option<f64>) -> Resul
 /// The target's choice after one verification pass: how many drafts it keeps, and the token it
 /// emits after them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Verdict {
+pub(crate) struct Verdict {
     pub accepted: usize,
     pub next: u32,
 }
 
 /// The index of the largest logit (the first of equal ones).
-pub fn argmax(logits: &[f32]) -> u32 {
+pub(crate) fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in logits.iter().enumerate() {
         if x > logits[best] {
@@ -122,7 +122,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 /// `softmax(logits / temperature)`, in f64.
-pub fn probabilities(logits: &[f32], temperature: f64) -> Result<Vec<f64>> {
+pub(crate) fn probabilities(logits: &[f32], temperature: f64) -> Result<Vec<f64>> {
     if !(temperature > 0.0 && temperature.is_finite()) {
         bail!("speculative decoding: the temperature must be positive, got {temperature}")
     }
@@ -161,7 +161,7 @@ pub(crate) fn draw_from(weights: &[f64], rng: &mut impl Rng) -> Result<u32> {
 /// and the first `i` drafts, `drafts.len() + 1` rows of them. `draft_probs[i]`, where given,
 /// is the drafter's distribution when it proposed `drafts[i]`; without it the drafter is taken
 /// as deterministic.
-pub fn verify(
+pub(crate) fn verify(
     drafts: &[u32],
     draft_probs: Option<&[Vec<f64>]>,
     target: &[Vec<f32>],

@@ -33,7 +33,8 @@ mod prompt_lookup;
 use candle_core::{bail, Result};
 use rand::{rngs::StdRng, SeedableRng};
 
-pub use acceptance::{verify, Sampling, Verdict};
+pub use acceptance::Sampling;
+use acceptance::{verify, Verdict};
 pub use draft_model::DraftModel;
 pub use prompt_lookup::PromptLookup;
 

@@ -16,14 +16,6 @@ use crate::cuda::launch::{
 /// that not every GPU has, and such wide layers are rare, so they take the unfused path.
 const MAX_STAGED_BYTES: usize = 48 * 1024;
 
-#[cfg(feature = "test-hooks")]
-thread_local! {
-    /// Fused launches from this thread, for tests that must know the kernel ran.
-    pub(super) static FUSED_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    /// The ring form for every shape it fits, for tests of small shapes.
-    pub(super) static RING_FOR_ALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 /// Weights from this size up stream through the ring form: measured faster there (the
 /// Llama-3-8B gate/up and lm_head projections), while shorter streams (q/k/v, o, down) ran as
 /// fast or faster in the register forms, which start streaming with less setup.
@@ -106,7 +98,7 @@ fn pick_kernel(
         pairs.div_ceil(warps_per_cta(spec)).min(ctas).max(1) as u32
     };
     #[cfg(feature = "test-hooks")]
-    let ring_wanted = RING_FOR_ALL.get();
+    let ring_wanted = crate::test_hooks::ring_form_forced();
     #[cfg(not(feature = "test-hooks"))]
     let ring_wanted = false;
     let ring_wanted = ring_wanted || n * k * dtype.size_in_bytes() >= RING_MIN_WEIGHT_BYTES;
@@ -194,9 +186,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     // SAFETY: every output is written by the kernel; tests poison it to check.
     let y = unsafe { dev.alloc::<T>(outputs)? };
     #[cfg(feature = "test-hooks")]
-    if crate::cuda::memory::POISON_NEW_OUTPUTS.get() {
-        crate::cuda::memory::poison(dev, &y)?;
-    }
+    crate::test_hooks::poison(dev, &y)?;
     let (prologue, norm_weight, eps) = match input {
         LinearInput::Plain => (MatVecPrologue::Plain, 0, 0.0),
         LinearInput::RmsNorm { weight, eps } => {
@@ -224,6 +214,6 @@ fn launch<T: CudaDType + DeviceRepr>(
     // and n residuals, and writes the outputs allocated above.
     unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
     #[cfg(feature = "test-hooks")]
-    FUSED_LAUNCHES.set(FUSED_LAUNCHES.get() + 1);
+    crate::test_hooks::count_fused_launch();
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
 }

@@ -34,8 +34,6 @@ pub mod fp8;
 pub mod models;
 pub mod nn;
 mod op;
-#[cfg(feature = "models")]
-pub mod summarize;
 
 pub use device_memory::retain_freed_device_memory;
 pub use fp8::{dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, E4M3_MAX};

@@ -376,7 +376,7 @@ impl fmt::Debug for MapReduce<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_tokenizer;
+    use crate::test_tokenizer::word_tokenizer;
 
     /// One paragraph of `words` one-token words, ending a sentence.
     fn paragraph(words: usize) -> String {

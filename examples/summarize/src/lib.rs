@@ -7,7 +7,7 @@
 //! [`MapReduce`] plans the generations and the caller runs them, on any model:
 //!
 //! ```no_run
-//! use candle_splitkv::summarize::{decode_text, ChatTemplate, MapReduce, Reduce, Round};
+//! use summarize::{decode_text, ChatTemplate, MapReduce, Reduce, Round};
 //! # fn generate(prompt: &[u32], max_new_tokens: usize) -> String { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
@@ -35,7 +35,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! `examples/summarize` is a complete command-line summarizer built on them.
+//! The package's `summarize` binary is a complete command-line summarizer built on them, running
+//! the models of `candle-splitkv`.
 
 mod attribution;
 mod budgets;

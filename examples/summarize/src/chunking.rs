@@ -127,7 +127,7 @@ fn next_char_boundary(text: &str, pos: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::{word_starts, word_tokenizer};
+    use crate::test_tokenizer::{word_starts, word_tokenizer};
 
     fn chunks(text: &str, budget: usize) -> Vec<&str> {
         let chunks = split_into_chunks(text, &word_starts(text), budget);

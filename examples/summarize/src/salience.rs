@@ -191,8 +191,8 @@ impl<'t> Selection<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_starts;
-    use crate::summarize::topic_words::topic_words;
+    use crate::test_tokenizer::word_starts;
+    use crate::topic_words::topic_words;
 
     fn select(text: &str, budget: usize) -> Vec<&str> {
         select_salient_sentences(text, &word_starts(text), budget, &topic_words(text))

@@ -4,11 +4,11 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use candle_splitkv::summarize::{Grounding, WholeSentences};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use summarize::{Grounding, WholeSentences};
 
 use crate::generation::GenerationObserver;
-use crate::map_reduce::Summary;
+use crate::summarizer::Summary;
 
 /// One bar for the whole run. Its length is the number of prompt tokens to read, so it moves
 /// with prefill, the bulk of the work; the message says which step runs and how fast.

@@ -11,9 +11,9 @@
 //! cargo run --release --example lse_heatmap -- examples/data/split-kv-decoding.md --out lse.png
 //! ```
 
-#[path = "summarize/bad_input.rs"]
+#[path = "common/bad_input.rs"]
 mod bad_input;
-#[path = "summarize/default_model.rs"]
+#[path = "common/default_model.rs"]
 mod default_model;
 
 use std::path::PathBuf;

@@ -11,8 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --release --example summarize
-binary="${CARGO_TARGET_DIR:-target}/release/examples/summarize"
+cargo build --release -p summarize
+binary="${CARGO_TARGET_DIR:-target}/release/summarize"
 document=examples/data/tidal-barrier-review.md
 facts=examples/data/tidal-barrier-review.facts.json
 

@@ -116,8 +116,6 @@ mod fp8;
 pub mod models;
 mod nn;
 mod op;
-#[cfg(feature = "models")]
-pub mod summarize;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;
 

@@ -14,7 +14,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{
     AttentionBackend, Llama, LoadOptions, LoadedModel, WeightForm, WeightFormPolicy,
 };
-use candle_splitkv::summarize::ChatTemplate;
 use candle_transformers::models::quantized_llama::ModelWeights;
 
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -261,29 +260,5 @@ fn gguf_models_run_in_f32_on_the_cpu() -> Result<()> {
         panic!("a bf16 GGUF model loaded on the CPU")
     };
     assert!(err.to_string().contains("on CUDA in f16 or bf16"), "{err}");
-    Ok(())
-}
-
-/// The default model's own chat template (from its GGUF metadata), rendered with its special
-/// tokens, gives the ChatML prompt and ends turns at `<|im_end|>`.
-#[test]
-fn the_default_models_template_renders_chatml() -> Result<()> {
-    let Some(path) = default_model() else {
-        return Ok(());
-    };
-    let mut file = std::fs::File::open(&path)?;
-    let content = gguf_file::Content::read(&mut file)?;
-    let template = match content.metadata.get("tokenizer.chat_template") {
-        Some(value) => Some(value.to_string()?.clone()),
-        None => None,
-    };
-    assert!(template.is_some(), "the default model has no chat template");
-    let chat = ChatTemplate::new(template.as_deref(), "<|im_start|>", "<|im_end|>")?;
-    let (system, user) = ("Be brief.", "Summarize the text.");
-    assert_eq!(
-        chat.render(system, user)?,
-        ChatTemplate::chatml().render(system, user)?
-    );
-    assert_eq!(chat.end_of_turn(), "<|im_end|>");
     Ok(())
 }

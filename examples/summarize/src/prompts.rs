@@ -70,7 +70,7 @@ pub(crate) fn prompt_overhead(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_tokenizer;
+    use crate::test_tokenizer::word_tokenizer;
 
     #[test]
     fn the_instruction_follows_the_text() {

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use anyhow::Result;
-use candle_splitkv::summarize::{Grounding, Mention};
 use serde_json::Value;
+use summarize::{Grounding, Mention};
 
 use crate::bad_input::bad_input;
 

@@ -2,23 +2,27 @@
 //! documents longer than the model's context are summarized chunk by chunk (map-reduce).
 //!
 //! ```text
-//! cargo run --release --example summarize -- examples/data/split-kv-decoding.md
+//! cargo run --release -p summarize -- examples/data/split-kv-decoding.md
 //! ```
 //!
 //! Exit codes: 0 on success, 2 for bad input (document, model or options), 1 for other failures.
 
+// These three are shared with the attention crate's examples (`lse_heatmap` reads the same
+// default model).
+#[path = "../../common/bad_input.rs"]
 mod bad_input;
 mod cli;
+#[path = "../../common/default_model.rs"]
 mod default_model;
-mod document;
 mod generation;
 mod hub;
-#[path = "../common/kv_dtype.rs"]
+mod input;
+#[path = "../../common/kv_dtype.rs"]
 mod kv_dtype;
-mod map_reduce;
 mod planted_facts;
 mod progress;
 mod stats;
+mod summarizer;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,16 +31,16 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::Device;
 use candle_splitkv::models::llama::{AttentionBackend, Llama, LoadOptions};
-use candle_splitkv::summarize::ChatTemplate;
 use clap::Parser;
+use summarize::ChatTemplate;
 
 use bad_input::{bad_input, BadInput};
 use cli::{Args, AttentionArg, DeviceArg};
 use generation::{Generator, SamplingSettings};
-use map_reduce::{Plan, Summarizer};
 use planted_facts::PlantedFacts;
 use progress::{DocumentBars, Progress};
 use stats::RunInfo;
+use summarizer::{Plan, Summarizer};
 
 fn main() -> ExitCode {
     // candle attaches a backtrace to its errors when RUST_BACKTRACE is set; a user facing a bad
@@ -65,10 +69,10 @@ fn run(args: &Args) -> Result<()> {
     let started = Instant::now();
     check_options(args)?;
     // The documents are checked first: a typo in a name should not wait for a model download.
-    let paths = document::document_paths(&args.files)?;
+    let paths = input::document_paths(&args.files)?;
     let documents = paths
         .iter()
-        .map(|path| document::read_document(path))
+        .map(|path| input::read_document(path))
         .collect::<Result<Vec<_>>>()?;
     if documents.len() > 1 {
         if args.facts.is_some() {

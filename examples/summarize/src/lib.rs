@@ -7,7 +7,7 @@
 //! [`MapReduce`] plans the generations and the caller runs them, on any model:
 //!
 //! ```no_run
-//! use candle_splitkv::summarize::{decode_text, ChatTemplate, MapReduce, Reduce, Round};
+//! use summarize::{decode_text, ChatTemplate, MapReduce, Reduce, Round};
 //! # fn generate(prompt: &[u32], max_new_tokens: usize) -> String { unimplemented!() }
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
@@ -35,7 +35,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! `examples/summarize` is a complete command-line summarizer built on them.
+//! The package's `summarize` binary is a complete command-line summarizer built on them, running
+//! the models of `candle-splitkv`.
 
 mod attribution;
 mod budgets;
@@ -47,9 +48,11 @@ mod grounding;
 mod map_reduce;
 mod mentions;
 mod prompts;
+mod pronoun_subjects;
 mod quotation_frames;
 mod salience;
 mod sentences;
+mod stray_quotes;
 #[cfg(test)]
 mod test_tokenizer;
 mod topic_words;
@@ -58,7 +61,7 @@ mod whole_sentences;
 pub use chat_template::ChatTemplate;
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
-pub use grounding::{GroundedText, Grounding};
+pub use grounding::{GroundedStream, GroundedText, Grounding};
 pub use map_reduce::{MapReduce, Reduce, Round};
 pub use mentions::Mention;
 pub use whole_sentences::WholeSentences;

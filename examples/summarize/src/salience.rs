@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::ops::Range;
 
 use super::mentions::{mentions, Mention};
-use super::sentences::sentence_spans;
+use super::pronoun_subjects::standalone_sentences;
 use super::topic_words::words_of;
 
 /// Fragments shorter than this many words (list markers, captions) state no fact worth selecting,
@@ -66,7 +66,9 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
 }
 
 /// Picks sentences of `text` whose tokens add up to at most `budget`, and returns them trimmed,
-/// in the order of the text. `token_starts` holds the byte offset where each token of `text`
+/// in the order of the text, each made to stand alone: its quotation marks paired, and a pronoun
+/// subject replaced by the name it stands for (a sentence whose pronoun cannot be resolved is
+/// not picked; see [`standalone_sentences`]). `token_starts` holds the byte offset where each token of `text`
 /// starts (see [`token_starts`](super::chunking::token_starts)); `topic` holds the topic words
 /// of the document `text` is or summarizes (see [`topic_words`](super::topic_words)).
 ///
@@ -75,30 +77,31 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
 /// budget holds, each as briefly as the text states it, without repeating them. Once no sentence
 /// adds a fact, the rest of the budget goes the same way to the sentences that add the most
 /// topic words: what a document with few facts is about.
-pub(crate) fn select_salient_sentences<'t>(
-    text: &'t str,
+pub(crate) fn select_salient_sentences(
+    text: &str,
     token_starts: &[usize],
     budget: usize,
     topic: &HashSet<String>,
-) -> Vec<&'t str> {
+) -> Vec<String> {
     let tokens_in = |span: &Range<usize>| {
         token_starts.partition_point(|&start| start < span.end)
             - token_starts.partition_point(|&start| start < span.start)
     };
-    let mut candidates: Vec<Candidate> = sentence_spans(text)
+    let mut candidates: Vec<Candidate> = standalone_sentences(text)
         .into_iter()
         .enumerate()
-        .map(|(position, span)| {
-            let sentence = &text[span.clone()];
-            Candidate {
+        .filter_map(|(position, (span, sentence))| {
+            let sentence = sentence?;
+            Some(Candidate {
                 position,
-                text: sentence.trim(),
+                // Counted as the text has it: a name in place of a pronoun adds a token or two.
                 tokens: tokens_in(&span).max(1),
-                facts: facts_of(sentence),
-                topic_words: words_of(sentence)
+                facts: facts_of(&sentence),
+                topic_words: words_of(&sentence)
                     .filter(|word| topic.contains(word))
                     .collect(),
-            }
+                text: sentence,
+            })
         })
         .filter(|candidate| {
             candidate.text.ends_with(STATEMENT_ENDS)
@@ -125,7 +128,7 @@ pub(crate) fn select_salient_sentences<'t>(
     let said = selection
         .picked
         .iter()
-        .flat_map(|&(_, sentence)| words_of(sentence))
+        .flat_map(|(_, sentence)| words_of(sentence))
         .filter(|word| topic.contains(word))
         .collect();
     selection.pick_greedily(
@@ -140,27 +143,27 @@ pub(crate) fn select_salient_sentences<'t>(
 }
 
 /// A sentence that may be selected.
-struct Candidate<'t> {
+struct Candidate {
     position: usize,
-    text: &'t str,
+    text: String,
     tokens: usize,
     facts: Vec<Fact>,
     topic_words: HashSet<String>,
 }
 
 /// The sentences picked so far, by their position in the text.
-struct Selection<'t> {
+struct Selection {
     budget: usize,
     used: usize,
-    picked: Vec<(usize, &'t str)>,
+    picked: Vec<(usize, String)>,
 }
 
-impl<'t> Selection<'t> {
+impl Selection {
     /// Picks, while the budget allows, the candidate that adds the most new items to `covered`
     /// per token: `new_items` counts those a candidate would add, `items` lists all of its own.
     fn pick_greedily(
         &mut self,
-        candidates: &mut Vec<Candidate<'t>>,
+        candidates: &mut Vec<Candidate>,
         mut covered: HashSet<String>,
         new_items: impl Fn(&Candidate, &HashSet<String>) -> usize,
         items: impl Fn(&Candidate) -> Vec<String>,
@@ -191,10 +194,10 @@ impl<'t> Selection<'t> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_starts;
-    use crate::summarize::topic_words::topic_words;
+    use crate::test_tokenizer::word_starts;
+    use crate::topic_words::topic_words;
 
-    fn select(text: &str, budget: usize) -> Vec<&str> {
+    fn select(text: &str, budget: usize) -> Vec<String> {
         select_salient_sentences(text, &word_starts(text), budget, &topic_words(text))
     }
 
@@ -227,5 +230,21 @@ mod tests {
         let text = "## 5. Design\n\nSection 5 has the gates that rise when tides are high.\n\n\
             The Tarrow Estuary Tidal Barrier: Report of the Review Panel";
         assert!(select(text, 100).is_empty());
+    }
+
+    #[test]
+    fn picked_sentences_stand_alone() {
+        let text = "Mr Fairweather gave evidence to the panel at some length. He said the \
+            group met 1,340 households in 1988. The contract was awarded to Brackwater Civil \
+            Engineering, a firm from Tarrow. Its bid was the lowest of 3 by £12 million. The \
+            mayor said: \"The barrier will cost £286 million. It will hold.\"";
+        assert_eq!(
+            select(text, 100),
+            [
+                "Mr Fairweather said the group met 1,340 households in 1988.",
+                "The contract was awarded to Brackwater Civil Engineering, a firm from Tarrow.",
+                "The mayor said: \"The barrier will cost £286 million.\""
+            ]
+        );
     }
 }

@@ -2,8 +2,8 @@
 
 use serde_json::{json, Value};
 
-use crate::map_reduce::Summary;
 use crate::planted_facts::FactScore;
+use crate::summarizer::Summary;
 
 /// Where and how the summary was made, next to what [`Summary`] counted.
 pub struct RunInfo {

@@ -1,12 +1,25 @@
-//! Ending an answer on a whole sentence, as left by a generation that hit its token limit: all at
-//! once for a finished answer, or piece by piece while it streams, with the same result.
+//! Ending an answer on a whole sentence, as left by a generation that hit its token limit, with
+//! each sentence's quotation marks paired: all at once for a finished answer, or piece by piece
+//! while it streams, with the same result.
+
+use super::sentences::last_sentence_end;
+use super::stray_quotes::tidy_quotes;
 
 /// What a finished sentence ends with.
 const SENTENCE_CLOSERS: [char; 5] = ['.', '!', '?', '"', ')'];
 
-/// `text`, trimmed, without a trailing unfinished sentence, as left by a generation that hit its
-/// token limit. Text with no complete sentence at all is kept whole.
-pub(crate) fn drop_unfinished_sentence(text: &str) -> &str {
+/// `text` without a trailing unfinished sentence, as left by a generation that hit its token
+/// limit, and without stray quotation marks (see [`tidy_quotes`]), trimmed. Text with no
+/// complete sentence at all is kept whole.
+pub(crate) fn whole_sentences(text: &str) -> String {
+    tidy_quotes(drop_unfinished_sentence(text))
+        .trim()
+        .to_string()
+}
+
+/// `text`, trimmed, without a trailing unfinished sentence. Unlike chunking, a line break ends no
+/// sentence here: models copy hard-wrapped lines.
+fn drop_unfinished_sentence(text: &str) -> &str {
     let text = text.trim();
     if text.ends_with(SENTENCE_CLOSERS) {
         return text;
@@ -14,18 +27,10 @@ pub(crate) fn drop_unfinished_sentence(text: &str) -> &str {
     last_sentence_end(text).map_or(text, |end| text[..end].trim_end())
 }
 
-/// The byte just after the last sentence end: `.`, `!` or `?` before whitespace. Unlike chunking,
-/// a line break is no sentence end here: models copy hard-wrapped lines.
-fn last_sentence_end(text: &str) -> Option<usize> {
-    let bytes = text.as_bytes();
-    (1..bytes.len())
-        .rev()
-        .find(|&i| matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace())
-}
-
-/// Passes on a streamed answer a whole sentence at a time, so that an answer cut by the token
-/// limit ends on its last whole sentence, as [`MapReduce::finish`](super::MapReduce::finish)
-/// returns it: the pieces released, joined, are the finished summary.
+/// Passes on a streamed answer a whole sentence at a time, its quotation marks paired, so that an
+/// answer cut by the token limit ends on its last whole sentence, as
+/// [`MapReduce::finish`](super::MapReduce::finish) returns it: the pieces released, joined, are
+/// the finished summary.
 #[derive(Debug, Default)]
 pub struct WholeSentences {
     /// Text after the last sentence end, held back until the sentence completes.
@@ -70,9 +75,10 @@ impl WholeSentences {
     }
 
     fn release(&mut self, text: &str) -> String {
+        let text = tidy_quotes(text);
         // Answers often open with whitespace; skip it, as the finished summary is trimmed too.
         let text = if self.released_text {
-            text
+            text.as_str()
         } else {
             text.trim_start()
         };
@@ -94,6 +100,18 @@ mod tests {
         shown.push_str(&sentences.finish());
         assert_eq!(sentences.released_text(), !shown.is_empty());
         shown
+    }
+
+    #[test]
+    fn pairs_the_quotation_marks_of_each_sentence() {
+        assert_eq!(
+            whole_sentences("\"Its budget was £286 million.\" The mayor said: \"It will hold. Cut"),
+            "Its budget was £286 million. The mayor said: \"It will hold.\""
+        );
+        assert_eq!(
+            whole_sentences(" The mayor said: \"It will hold. It is built.\"\n"),
+            "The mayor said: \"It will hold.\" It is built."
+        );
     }
 
     #[test]
@@ -129,18 +147,21 @@ mod tests {
 
     #[test]
     fn streams_the_same_text_as_the_finished_answer() {
-        let answers: [&[&str]; 6] = [
+        let answers: [&[&str]; 9] = [
             &[" One. Two", " is cut"],
             &["One. Two!", "\nThree and"],
             &["Done.", " Finished.", "  \n"],
             &["no sentence", " ends here"],
             &["He said \"", "yes.\" Then", " left (quietly)"],
             &["Ends with a quote: \"", "fine\""],
+            &["\"Its cost was", " 118 million euros.\" It", " opened."],
+            &["She said: \"Yes. ", "No.\" Then", " a cut"],
+            &[" \"", "Quoted. Then", " cut"],
         ];
         for pieces in answers {
             assert_eq!(
                 streamed(pieces),
-                drop_unfinished_sentence(&pieces.concat()),
+                whole_sentences(&pieces.concat()),
                 "{pieces:?}"
             );
         }

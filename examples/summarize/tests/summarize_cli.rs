@@ -1,11 +1,9 @@
-//! Runs the `summarize` example binary as a user would: bad inputs must fail cleanly with exit
-//! code 2, and real documents must be summarized by the default model (fetched on first use).
-//!
-//! `cargo test` builds the examples next to the test binaries, in `<target>/<profile>/examples/`.
+//! Runs the `summarize` binary as a user would: bad inputs must fail cleanly with exit code 2, and
+//! real documents must be summarized by the default model (fetched on first use).
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::Mutex;
 
@@ -22,11 +20,11 @@ visitor numbers have fallen for five years in a row. Staff from that branch will
 main building, and no jobs will be lost.";
 
 fn binary() -> PathBuf {
-    common::example_binary("summarize")
+    common::binary()
 }
 
 fn sample_document() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/data/split-kv-decoding.md")
+    common::data("split-kv-decoding.md")
 }
 
 fn summarize(args: &[&str]) -> Output {

@@ -4,9 +4,7 @@
 use std::io::Write;
 
 use anyhow::{anyhow, Context, Result};
-use candle_splitkv::summarize::{
-    ChatTemplate, Grounding, MapReduce, Reduce, Round, SummarizeError,
-};
+use summarize::{ChatTemplate, Grounding, MapReduce, Reduce, Round, SummarizeError};
 
 use crate::bad_input::BadInput;
 use crate::generation::{

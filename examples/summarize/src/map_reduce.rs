@@ -14,7 +14,7 @@ use super::prompts::{encode_prompt, prompt_overhead, Task};
 use super::quotation_frames::unframe_quotations;
 use super::salience::select_salient_sentences;
 use super::topic_words::topic_words;
-use super::whole_sentences::drop_unfinished_sentence;
+use super::whole_sentences::whole_sentences;
 use super::{ChatTemplate, GroundedText, Grounding, SummarizeError};
 
 /// How the summaries of the parts become the final summary.
@@ -228,7 +228,7 @@ impl<'t> MapReduce<'t> {
                 _ => self.grounding.as_ref(),
             };
             let answer = unframe_quotations(answer);
-            let checked = grounded(drop_unfinished_sentence(&answer), grounding);
+            let checked = grounded(&whole_sentences(&answer), grounding);
             self.dropped_sentences += checked.dropped;
             self.replaced_sentences += checked.replaced;
             let summary = checked.text;
@@ -267,14 +267,14 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Takes the answer of the [`Round::Final`] and returns the summary: the answer up to its
-    /// last whole sentence, without its ungrounded sentences when grounding is on. Fails when
-    /// that is empty.
+    /// last whole sentence, its quotation marks paired, checked by grounding when it is on.
+    /// Fails when that is empty.
     pub fn finish(&mut self, answer: &str) -> Result<String, SummarizeError> {
-        let whole = drop_unfinished_sentence(answer);
+        let whole = whole_sentences(answer);
         if whole.is_empty() {
             return Err(SummarizeError::EmptySummary);
         }
-        let checked = grounded(whole, self.grounding.as_ref());
+        let checked = grounded(&whole, self.grounding.as_ref());
         self.dropped_sentences += checked.dropped;
         self.replaced_sentences += checked.replaced;
         let summary = checked.text;
@@ -376,7 +376,7 @@ impl fmt::Debug for MapReduce<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::word_tokenizer;
+    use crate::test_tokenizer::word_tokenizer;
 
     /// One paragraph of `words` one-token words, ending a sentence.
     fn paragraph(words: usize) -> String {

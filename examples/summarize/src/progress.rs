@@ -4,11 +4,11 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use candle_splitkv::summarize::{Grounding, WholeSentences};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use summarize::{GroundedStream, Grounding, WholeSentences};
 
 use crate::generation::GenerationObserver;
-use crate::map_reduce::Summary;
+use crate::summarizer::Summary;
 
 /// One bar for the whole run. Its length is the number of prompt tokens to read, so it moves
 /// with prefill, the bulk of the work; the message says which step runs and how fast.
@@ -173,7 +173,7 @@ impl GenerationObserver for Progress {
 /// summary leaves them out.
 pub struct StreamToStdout<'p> {
     progress: &'p mut Progress,
-    grounding: Option<&'p Grounding>,
+    grounding: Option<GroundedStream<'p>>,
     started: bool,
     sentences: WholeSentences,
     printed: bool,
@@ -183,7 +183,7 @@ impl<'p> StreamToStdout<'p> {
     pub fn new(progress: &'p mut Progress, grounding: Option<&'p Grounding>) -> Self {
         Self {
             progress,
-            grounding,
+            grounding: grounding.map(Grounding::stream),
             started: false,
             sentences: WholeSentences::new(),
             printed: false,
@@ -209,8 +209,8 @@ impl StreamToStdout<'_> {
     /// Prints the grounded sentences of `text`, without the whitespace that would open the
     /// summary.
     fn print(&mut self, text: &str) -> Result<()> {
-        let grounded = match self.grounding {
-            Some(grounding) => grounding.keep_grounded(text).text,
+        let grounded = match &mut self.grounding {
+            Some(grounding) => grounding.push(text).text,
             None => text.to_string(),
         };
         let shown = if self.printed {

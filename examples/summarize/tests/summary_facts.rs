@@ -9,38 +9,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 /// The time the summary may take, model loading included.
 const TIME_LIMIT_SECS: f64 = 180.0;
 
-/// The cache directory the summarizer reads the default model from, when the model is there.
-fn default_model_cache() -> Option<PathBuf> {
-    let cache = match std::env::var_os("CANDLE_SPLITKV_CACHE") {
-        Some(dir) => PathBuf::from(dir),
-        None => PathBuf::from(std::env::var_os("HOME")?).join(".cache/candle-splitkv"),
-    };
-    if cache.join(MODEL_FILE).is_file() {
-        Some(cache)
-    } else {
-        eprintln!(
-            "skipping: the default model {MODEL_FILE} is not in {} (scripts/fetch-model.sh \
-             fetches it)",
-            cache.display()
-        );
-        None
-    }
-}
-
 fn data(name: &str) -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples/data")
-        .join(name)
+    common::data(name)
         .to_str()
         .expect("the repository path is UTF-8")
         .to_string()
@@ -55,10 +32,11 @@ fn strings(value: &Value) -> Vec<&str> {
 
 #[test]
 fn default_summary_keeps_the_planted_facts_and_invents_none() {
-    let Some(cache) = default_model_cache() else {
+    let Some(model) = common::cached_default_model() else {
         return;
     };
-    let output = Command::new(common::example_binary("summarize"))
+    let cache = model.parent().expect("the model is a file in its cache");
+    let output = Command::new(common::binary())
         .arg(data("tidal-barrier-review.md"))
         .args(["--facts", &data("tidal-barrier-review.facts.json")])
         .args(["--device", "cpu", "--json", "--quiet"])

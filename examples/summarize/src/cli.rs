@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 
 use candle_splitkv::models::llama::{WeightForm, WeightFormPolicy};
-use candle_splitkv::summarize::Reduce;
 use clap::{Parser, ValueEnum};
+use summarize::Reduce;
 
 pub use crate::kv_dtype::KvDtypeArg;
 

@@ -1,7 +1,8 @@
 //! Whether a sentence says of its names and numbers what its source says of them: a rewrite by
 //! a small model keeps every name and figure of its source, yet may pin a figure to the wrong
-//! noun ("a budget of £44 million" from "£126 million, or 44 percent of the budget") or a name
-//! to the wrong role.
+//! noun ("a budget of £44 million" from "£126 million, or 44 percent of the budget"), a name
+//! to the wrong role, or splice two sentences into one that says neither ("refunded 0.6 million
+//! euros to the town of 1.7 million euros").
 
 use std::collections::{HashMap, HashSet};
 
@@ -168,6 +169,7 @@ impl Attributions {
     }
 
     /// Whether `sentence` says what the source says:
+    /// - its names and numbers stand together in one sentence of the source;
     /// - most of its content words are in the source;
     /// - a number with a currency or a unit appears in the source with the same ones;
     /// - each content word within a few words of a name or number in the sentence stands within
@@ -196,6 +198,7 @@ impl Attributions {
         let words_hold = new as f64 <= MAX_NEW_WORD_SHARE * total as f64;
         words_hold
             && quantities_hold
+            && self.in_one_sentence(&words)
             && words.iter().enumerate().all(|(i, word)| {
                 let Some(anchor) = &word.anchor else {
                     return true;
@@ -212,6 +215,26 @@ impl Attributions {
                     _ => true,
                 })
             })
+    }
+
+    /// Whether one sentence of the source holds all the names and numbers of `words` that the
+    /// source has: a sentence that takes them from two says something neither of them says.
+    fn in_one_sentence(&self, words: &[Word]) -> bool {
+        let mut common: Option<HashSet<usize>> = None;
+        for anchor in words.iter().filter_map(|word| word.anchor.as_ref()) {
+            let Some(positions) = self.anchors.get(anchor) else {
+                continue;
+            };
+            let holding: HashSet<usize> = positions
+                .iter()
+                .map(|&at| self.words[at].sentence)
+                .collect();
+            common = Some(match common {
+                None => holding,
+                Some(common) => common.intersection(&holding).copied().collect(),
+            });
+        }
+        common.is_none_or(|common| !common.is_empty())
     }
 
     /// Whether a word with `stem` stands near `anchor` anywhere in the source.
@@ -277,5 +300,19 @@ mod tests {
         assert!(!source.supports("The budget was set by Hollis Fairweather."));
         // Unknown to the source at all.
         assert!(!source.supports("It was built by Ashdown."));
+    }
+
+    #[test]
+    fn two_sentences_spliced_into_one_are_not() {
+        let source = Attributions::new(
+            "Tidewell refunded 0.6 million euros of lease fees to the town in 2021. The town's \
+             own share of the works was 1.7 million euros.",
+        );
+        assert!(!source.supports(
+            "Tidewell refunded 0.6 million euros of lease fees to the town of 1.7 million euros."
+        ));
+        // Each sentence rewritten alone is.
+        assert!(source.supports("Tidewell refunded 0.6 million euros of lease fees in 2021."));
+        assert!(source.supports("The town's own share was 1.7 million euros."));
     }
 }

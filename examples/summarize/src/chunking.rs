@@ -6,6 +6,7 @@
 
 use tokenizers::Tokenizer;
 
+use super::sentences;
 use super::SummarizeError;
 
 /// The byte offset where each token of `text` starts, in order.
@@ -97,14 +98,11 @@ fn last_paragraph_break(span: &str) -> Option<usize> {
     None
 }
 
-/// The byte just after the last sentence end (`.`, `!` or `?` before whitespace) or line break.
+/// The byte just after the last sentence end (see [`sentence_end_at`](sentences::sentence_end_at)) or where the last line
+/// break starts.
 fn last_sentence_end(span: &str) -> Option<usize> {
-    let bytes = span.as_bytes();
-    (1..bytes.len()).rev().find(|&i| {
-        let ends_sentence =
-            matches!(bytes[i - 1], b'.' | b'!' | b'?') && bytes[i].is_ascii_whitespace();
-        ends_sentence || bytes[i] == b'\n'
-    })
+    let line_break = span.rfind('\n').filter(|&at| at > 0);
+    sentences::last_sentence_end(span).max(line_break)
 }
 
 /// The last character boundary of `text` at or before `pos`, or its length when `pos` is past it.
@@ -127,7 +125,7 @@ fn next_char_boundary(text: &str, pos: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::summarize::test_tokenizer::{word_starts, word_tokenizer};
+    use crate::test_tokenizer::{word_starts, word_tokenizer};
 
     fn chunks(text: &str, budget: usize) -> Vec<&str> {
         let chunks = split_into_chunks(text, &word_starts(text), budget);

@@ -1,13 +1,17 @@
 //! Checking a summary against its source: a number or a name the source does not contain was
 //! invented by the model, and so is the sentence that states it. A sentence whose names and
-//! numbers are all in the source may still pin them to the wrong things; such a sentence gives
-//! way to the source's own sentence about them.
+//! numbers are all in the source may still pin them to the wrong things, or lean on a sentence
+//! that is not there; such a sentence gives way to the source's own sentence about them.
 
 use std::collections::HashSet;
 
 use super::attribution::Attributions;
 use super::mentions::{mentions, Mention};
+use super::pronoun_subjects::{opens_with_pronoun, standalone_sentences};
 use super::sentences::sentences;
+
+/// How a statement ends; a source's headings and fragments stand in for no sentence.
+const STATEMENT_ENDS: [char; 6] = ['.', '!', '?', '"', '\u{201d}', ')'];
 
 /// A text checked by [`Grounding::keep_grounded`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -37,15 +41,18 @@ pub struct GroundedText {
 /// from grounded parts (a real name next to a real figure it does not belong to).
 ///
 /// A grounded sentence is also checked for what it says of its names and numbers: a figure must
-/// keep its currency and unit (`£44 million` is not `44 percent`), and the words around a name
-/// or number must stand near it in the source.
+/// keep its currency and unit (`£44 million` is not `44 percent`), the words around a name or
+/// number must stand near it in the source, and its names and numbers must stand together in
+/// one sentence of the source (two sentences spliced into one say what neither says). A sentence
+/// whose subject is a pronoun must follow the sentence it leans on.
 #[derive(Debug, Clone, Default)]
 pub struct Grounding {
     numbers: HashSet<String>,
     words: HashSet<String>,
     lowercase_words: HashSet<String>,
     attributions: Attributions,
-    /// The source's sentences, trimmed, to stand in for a sentence that misattributes.
+    /// The source's statements, each made to stand alone (its quotation marks paired, a pronoun
+    /// subject named), to stand in for a sentence that misattributes.
     sentences: Vec<String>,
 }
 
@@ -70,10 +77,10 @@ impl Grounding {
             words,
             lowercase_words,
             attributions: Attributions::new(source),
-            sentences: sentences(source)
+            sentences: standalone_sentences(source)
                 .into_iter()
-                .map(|sentence| sentence.trim().to_string())
-                .filter(|sentence| !sentence.is_empty())
+                .filter_map(|(_, sentence)| sentence)
+                .filter(|sentence| sentence.ends_with(STATEMENT_ENDS))
                 .collect(),
         }
     }
@@ -114,32 +121,25 @@ impl Grounding {
     }
 
     /// `text` checked sentence by sentence. A sentence that states an ungrounded mention is
-    /// dropped. A grounded sentence that the source does not support (see [`Grounding`]) is
+    /// dropped. A grounded sentence that the source does not support (see [`Grounding`]), or
+    /// whose subject is a pronoun where the sentence before it was not kept as written, is
     /// replaced by the source's sentence that shares the most names and numbers with it, unless
     /// that one is already in the text; it is dropped when none shares any. Each kept sentence
-    /// keeps the whitespace after it (a replacement: one space), so that a text shown a few
-    /// sentences at a time reads the same as the whole text checked at once.
+    /// keeps the whitespace after it (a replacement: one space). [`Grounding::stream`] checks a
+    /// text shown a few sentences at a time the same way.
     pub fn keep_grounded(&self, text: &str) -> GroundedText {
-        let mut checked = GroundedText::default();
-        let mut quoted = HashSet::new();
-        for sentence in sentences(text) {
-            let found = mentions(sentence);
-            if !found.iter().all(|mention| self.grounds(mention)) {
-                checked.dropped += 1;
-            } else if self.attributions.supports(sentence) {
-                checked.text.push_str(sentence);
-            } else {
-                match self.source_sentence_about(&found) {
-                    Some(i) if quoted.insert(i) => {
-                        checked.text.push_str(&self.sentences[i]);
-                        checked.text.push(' ');
-                        checked.replaced += 1;
-                    }
-                    _ => checked.dropped += 1,
-                }
-            }
+        self.stream().push(text)
+    }
+
+    /// A check of a text that comes a few whole sentences at a time, such as an answer shown as
+    /// it is written: the pieces checked in turn give what [`keep_grounded`](Self::keep_grounded)
+    /// gives for the whole text.
+    pub fn stream(&self) -> GroundedStream<'_> {
+        GroundedStream {
+            grounding: self,
+            quoted: HashSet::new(),
+            previous_kept: false,
         }
-        checked
     }
 
     /// The index of the source sentence that shares the most names and numbers with `found`
@@ -168,6 +168,53 @@ impl Grounding {
             .max()
             .filter(|&(shared, _)| shared > 0)
             .map(|(_, std::cmp::Reverse(i))| i)
+    }
+}
+
+/// [`Grounding::keep_grounded`] over a text that comes a few whole sentences at a time.
+#[derive(Debug)]
+pub struct GroundedStream<'g> {
+    grounding: &'g Grounding,
+    /// The source sentences put in so far, each at most once.
+    quoted: HashSet<usize>,
+    /// Whether the last sentence was kept as written: a pronoun opening the next one then still
+    /// follows what it stands for.
+    previous_kept: bool,
+}
+
+impl GroundedStream<'_> {
+    /// Checks the next whole sentences of the text.
+    pub fn push(&mut self, text: &str) -> GroundedText {
+        let grounding = self.grounding;
+        let mut checked = GroundedText::default();
+        for sentence in sentences(text) {
+            if sentence.trim().is_empty() {
+                checked.text.push_str(sentence);
+                continue;
+            }
+            let found = mentions(sentence);
+            let kept = if !found.iter().all(|mention| grounding.grounds(mention)) {
+                checked.dropped += 1;
+                false
+            } else if grounding.attributions.supports(sentence)
+                && (self.previous_kept || !opens_with_pronoun(sentence))
+            {
+                checked.text.push_str(sentence);
+                true
+            } else {
+                match grounding.source_sentence_about(&found) {
+                    Some(i) if self.quoted.insert(i) => {
+                        checked.text.push_str(&grounding.sentences[i]);
+                        checked.text.push(' ');
+                        checked.replaced += 1;
+                    }
+                    _ => checked.dropped += 1,
+                }
+                false
+            };
+            self.previous_kept = kept;
+        }
+        checked
     }
 }
 
@@ -253,12 +300,12 @@ mod tests {
     #[test]
     fn keeps_only_grounded_sentences() {
         let grounding = Grounding::new(SOURCE);
-        let summary = "The barrier cost £412 million. It was built by Brackwater in 2019. \
-            It protects 18,600 homes.\nThe Council paid.";
+        let summary = "The barrier cost £412 million. It protects 18,600 homes. It was built \
+            by Brackwater in 2019.\nThe Council paid.";
         assert_eq!(
             grounding.keep_grounded(summary),
             GroundedText {
-                text: "The barrier cost £412 million. It protects 18,600 homes.\n".to_string(),
+                text: "The barrier cost £412 million. It protects 18,600 homes. ".to_string(),
                 dropped: 2,
                 replaced: 0,
             }
@@ -284,5 +331,75 @@ mod tests {
                 replaced: 1,
             }
         );
+    }
+
+    #[test]
+    fn a_pronoun_subject_must_follow_what_it_stands_for() {
+        let grounding = Grounding::new(
+            "Mr Fairweather gave evidence to the panel in 2021. He described the frustration of \
+             the residents of Port Ellery. The barrier opened in 2019 and it has held since.",
+        );
+        // After the sentence it leans on, as written.
+        let paragraph = "Mr Fairweather gave evidence in 2021. He described the frustration.";
+        assert_eq!(grounding.keep_grounded(paragraph).text, paragraph);
+        // Alone, it gives way to the source's sentence about its facts, which names him.
+        assert_eq!(
+            grounding.keep_grounded("He described the residents of Port Ellery."),
+            GroundedText {
+                text: "Mr Fairweather described the frustration of the residents of Port \
+                    Ellery. "
+                    .to_string(),
+                dropped: 0,
+                replaced: 1,
+            }
+        );
+        assert_eq!(
+            grounding.keep_grounded("It opened in 2019.").text,
+            "The barrier opened in 2019 and it has held since. "
+        );
+        // Without a fact to find that sentence by, it goes.
+        assert_eq!(
+            grounding.keep_grounded("He described the frustration."),
+            GroundedText {
+                text: String::new(),
+                dropped: 1,
+                replaced: 0,
+            }
+        );
+    }
+
+    #[test]
+    fn a_splice_of_two_sentences_gives_way_to_one_of_them() {
+        let grounding = Grounding::new(
+            "Tidewell refunded 0.6 million euros of lease fees to the town in 2021. The town's \
+             own share of the works was 1.7 million euros.",
+        );
+        assert_eq!(
+            grounding.keep_grounded(
+                "Tidewell refunded 0.6 million euros of lease fees to the town of 1.7 million \
+                 euros."
+            ),
+            GroundedText {
+                text: "Tidewell refunded 0.6 million euros of lease fees to the town in 2021. "
+                    .to_string(),
+                dropped: 0,
+                replaced: 1,
+            }
+        );
+    }
+
+    #[test]
+    fn a_text_checked_in_pieces_reads_as_checked_at_once() {
+        let grounding = Grounding::new(SOURCE);
+        let pieces = [
+            "The barrier cost £412 million. ",
+            "It protects 18,600 homes. It protects 286 homes. ",
+            "It protects Port Ellery. The Council paid.",
+        ];
+        let mut stream = grounding.stream();
+        let streamed: String = pieces.iter().map(|piece| stream.push(piece).text).collect();
+        assert_eq!(streamed, grounding.keep_grounded(&pieces.concat()).text);
+        // A pronoun opening a piece still follows the sentence kept before it.
+        assert!(streamed.starts_with("The barrier cost £412 million. It protects 18,600 homes."));
     }
 }

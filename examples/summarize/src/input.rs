@@ -4,7 +4,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use candle_splitkv::summarize::decode_text;
+use summarize::decode_text;
 
 use crate::bad_input::{bad_input, BadInput};
 

@@ -299,3 +299,36 @@ fn gpu_query_tokens_match_cpu_and_one_token() -> Result<()> {
     assert!(diff < 1e-5, "GPU and CPU differ by {diff}");
     Ok(())
 }
+
+/// Past [`MAX_QUERY_TOKENS`] the CUDA path refuses the call with a message that names both
+/// limits, where the CPU runs it.
+#[test]
+fn gpu_more_query_tokens_than_the_kernels_take_is_an_error() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let shape = Shape {
+        b: 1,
+        t: MAX_QUERY_TOKENS + 1,
+        h_q: 4,
+        h_kv: 2,
+        d: 64,
+        l: 100,
+        dtype: DType::F16,
+    };
+    let (q, k, v) = shape.qkv(&dev)?;
+    let err = candle_splitkv::flash_decode(&q, &k, &v, shape.scale())
+        .expect_err("CUDA takes at most MAX_QUERY_TOKENS query tokens")
+        .to_string();
+    assert!(
+        err.contains(&format!("at most {MAX_QUERY_TOKENS} query tokens"))
+            && err.contains("the CPU takes any number"),
+        "unexpected error: {err}"
+    );
+    let on_cpu = candle_splitkv::flash_decode(
+        &q.to_device(&Device::Cpu)?,
+        &k.to_device(&Device::Cpu)?,
+        &v.to_device(&Device::Cpu)?,
+        shape.scale(),
+    )?;
+    assert_eq!(on_cpu.dims(), q.dims());
+    Ok(())
+}

@@ -1,9 +1,11 @@
-//! Multi-threaded split-KV decode on the CPU.
+//! Multi-threaded split-KV attention on the CPU.
 //!
-//! One rayon task per `(batch, kv head, split)` streams its chunk of K/V in tiles, converts each
-//! row to f32 once, scores it against every query head of the GQA group and keeps an online
-//! (running-max, base-2) softmax per head. Each task leaves a normalised partial output and its
-//! log-sum-exp; a second parallel pass merges the splits of each `(batch, q head)`.
+//! The decode pass (a few query tokens per sequence): one rayon task per `(batch, kv head,
+//! split)` streams its chunk of K/V in tiles, converts each row to f32 once, scores it against
+//! every query row of the GQA group and keeps an online (running-max, base-2) softmax per row.
+//! Longer queries (prefill) run the tiled pass of [`prefill`] instead. Either pass leaves a
+//! normalised partial output and its log-sum-exp per split; a second parallel pass merges the
+//! splits of each `(batch, token, q head)`.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, Device, Layout, Result};
@@ -11,10 +13,18 @@ use float8::F8E4M3;
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
 
+mod loops;
+mod prefill;
+mod tile_products;
+
 use super::call::DecodeCall;
 use super::merge::{merge_normalised, MergeState};
 use super::plan::{SplitPlan, MIN_CHUNK};
 use super::validate::{self, DecodeDims, RowStrides};
+#[cfg(target_arch = "x86_64")]
+use loops::Fused;
+use loops::InnerLoops;
+use loops::Portable;
 
 /// Positions scored together before their values are accumulated. Large enough to amortise the
 /// softmax rescale, small enough for the scores to stay in L1.
@@ -23,13 +33,23 @@ const TILE: usize = 32;
 /// A storage element the CPU path can read and write.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
     const ZERO: Self;
+    /// `src` converted to f32 into `dst`, of the same length.
+    fn to_f32_slice(src: &[Self], dst: &mut [f32]);
     /// `src` as f32, either borrowed (f32 input) or converted into `buf`.
-    fn row_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
+    #[inline]
+    fn row_f32<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+        Self::to_f32_slice(src, buf);
+        buf
+    }
     fn from_f32_slice(src: &[f32], dst: &mut [Self]);
 }
 
 impl Element for f32 {
     const ZERO: Self = 0.0;
+    #[inline]
+    fn to_f32_slice(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
     #[inline]
     fn row_f32<'a>(src: &'a [f32], _buf: &'a mut [f32]) -> &'a [f32] {
         src
@@ -42,9 +62,8 @@ impl Element for f32 {
 impl Element for f16 {
     const ZERO: Self = f16::ZERO;
     #[inline]
-    fn row_f32<'a>(src: &'a [f16], buf: &'a mut [f32]) -> &'a [f32] {
-        src.convert_to_f32_slice(buf);
-        buf
+    fn to_f32_slice(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
     }
     fn from_f32_slice(src: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(src)
@@ -54,9 +73,8 @@ impl Element for f16 {
 impl Element for bf16 {
     const ZERO: Self = bf16::ZERO;
     #[inline]
-    fn row_f32<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> &'a [f32] {
-        src.convert_to_f32_slice(buf);
-        buf
+    fn to_f32_slice(src: &[bf16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst)
     }
     fn from_f32_slice(src: &[f32], dst: &mut [bf16]) {
         dst.convert_from_f32_slice(src)
@@ -87,11 +105,10 @@ fn e4m3_to_f32(bits: u8) -> f32 {
 impl Element for F8E4M3 {
     const ZERO: Self = F8E4M3::ZERO;
     #[inline]
-    fn row_f32<'a>(src: &'a [F8E4M3], buf: &'a mut [f32]) -> &'a [f32] {
-        for (dst, &x) in buf.iter_mut().zip(src) {
+    fn to_f32_slice(src: &[F8E4M3], dst: &mut [f32]) {
+        for (dst, &x) in dst.iter_mut().zip(src) {
             *dst = e4m3_to_f32(x.to_bits());
         }
-        buf
     }
     fn from_f32_slice(src: &[f32], dst: &mut [F8E4M3]) {
         for (dst, &x) in dst.iter_mut().zip(src) {
@@ -140,7 +157,7 @@ pub(crate) fn forward(
             page_size: dims.page_size,
             max_pages: dims.max_pages,
         });
-    let plan = call.split_plan(parallel_slots(), MIN_CHUNK);
+    let plan = split_plan(call);
     let layouts = [q_layout, k_layout, v_layout];
     let rows = KvRowsOf {
         seqlens: seqlens.as_deref(),
@@ -249,6 +266,7 @@ fn decode_slices<T: Element, KV: Element>(
         v_scale: call.v_scale,
         window_left: call.window_left,
         softcap: call.softcap,
+        poison_scratch: call.poison_outputs,
     };
     decode(&inputs, plan)
 }
@@ -274,6 +292,8 @@ pub(crate) struct DecodeInputs<'a, T, KV> {
     pub window_left: Option<usize>,
     /// Scores become `c·tanh(s/c)` with this c.
     pub softcap: Option<f32>,
+    /// Fill the split scratch and the output with NaN before the passes run (test hook).
+    pub poison_scratch: bool,
 }
 
 impl<T, KV> DecodeInputs<'_, T, KV> {
@@ -291,6 +311,27 @@ impl<T, KV> DecodeInputs<'_, T, KV> {
     }
 }
 
+/// Query tokens per sequence up to which the decode pass runs; more run the tiled pass
+/// ([`prefill`]). The decode pass computes each token's row exactly as a one-token call at its
+/// position would, which verification of drafted tokens relies on (see
+/// `CachedAttention::forward_as_steps`); it covers the tokens the attention layer verifies.
+const DECODE_PASS_MAX_QUERY_TOKENS: usize = validate::MAX_QUERY_TOKENS;
+
+/// Whether `q_len` query tokens per sequence run the tiled pass.
+fn uses_tiled_pass(q_len: usize) -> bool {
+    q_len > DECODE_PASS_MAX_QUERY_TOKENS
+}
+
+/// The split plan of a validated call on the CPU: the forced count clamped to the sequence, or
+/// the heuristic's for the pass that runs it.
+pub(crate) fn split_plan(call: &DecodeCall) -> SplitPlan {
+    if uses_tiled_pass(call.dims.q_len) {
+        prefill::split_plan(call, parallel_slots())
+    } else {
+        call.split_plan(parallel_slots(), MIN_CHUNK)
+    }
+}
+
 /// Runs the op. Returns the output `(b, q_len, h_q, d)` contiguous in `T`, and the natural-log
 /// LSE `(b, h_q, q_len)` in f32.
 pub(crate) fn decode<T: Element, KV: Element>(
@@ -298,28 +339,53 @@ pub(crate) fn decode<T: Element, KV: Element>(
     plan: SplitPlan,
 ) -> (Vec<T>, Vec<f32>) {
     let dims = inputs.dims;
+    let d = dims.head_dim;
+    let rows = dims.q_len * dims.group_size(); // query rows of one (batch, kv head)
+    let tasks = dims.batch * dims.kv_heads * plan.num_splits;
+
+    // The partial passes write every element; the test hook's NaN would show one they miss.
+    let fill = if inputs.poison_scratch { f32::NAN } else { 0.0 };
+    let mut partial_out = vec![fill; tasks * rows * d];
+    let mut partial_lse = vec![fill; tasks * rows];
+    if uses_tiled_pass(dims.q_len) {
+        prefill::attend(inputs, plan, &mut partial_out, &mut partial_lse);
+    } else {
+        partial_out
+            .par_chunks_mut(rows * d)
+            .zip(partial_lse.par_chunks_mut(rows))
+            .enumerate()
+            .for_each(|(task, (out, lse))| {
+                let split = task % plan.num_splits;
+                let kv_head = (task / plan.num_splits) % dims.kv_heads;
+                let batch = task / (plan.num_splits * dims.kv_heads);
+                attend_chunk_best(inputs, plan, batch, kv_head, split, out, lse);
+            });
+    }
+    merge_splits(
+        dims,
+        plan.num_splits,
+        (&partial_out, &partial_lse),
+        inputs.poison_scratch,
+    )
+}
+
+/// Merges the normalised partial rows and base-2 LSEs of every `(batch, kv head, split)`,
+/// `q_len × group` rows each (row `i · group + m`: query token `i` of the group's head `m`),
+/// into the output `(b, q_len, h_q, d)` in `T` and the natural-log LSE `(b, h_q, q_len)`.
+fn merge_splits<T: Element>(
+    dims: DecodeDims,
+    num_splits: usize,
+    (partial_out, partial_lse): (&[f32], &[f32]),
+    poison: bool,
+) -> (Vec<T>, Vec<f32>) {
     let group = dims.group_size();
     let d = dims.head_dim;
     let q_len = dims.q_len;
-    let rows = q_len * group; // query rows of one (batch, kv head)
-    let tasks = dims.batch * dims.kv_heads * plan.num_splits;
-
-    let mut partial_out = vec![0f32; tasks * rows * d];
-    let mut partial_lse = vec![0f32; tasks * rows];
-    partial_out
-        .par_chunks_mut(rows * d)
-        .zip(partial_lse.par_chunks_mut(rows))
-        .enumerate()
-        .for_each(|(task, (out, lse))| {
-            let split = task % plan.num_splits;
-            let kv_head = (task / plan.num_splits) % dims.kv_heads;
-            let batch = task / (plan.num_splits * dims.kv_heads);
-            attend_chunk_best(inputs, plan, batch, kv_head, split, out, lse);
-        });
-
+    let rows = q_len * group;
     // Output rows in (batch, token, q head) order.
-    let mut out = vec![0f32; dims.batch * q_len * dims.q_heads * d];
-    let mut row_lse = vec![0f32; dims.batch * q_len * dims.q_heads];
+    let fill = if poison { f32::NAN } else { 0.0 };
+    let mut out = vec![fill; dims.batch * q_len * dims.q_heads * d];
+    let mut row_lse = vec![fill; dims.batch * q_len * dims.q_heads];
     out.par_chunks_mut(d)
         .zip(row_lse.par_iter_mut())
         .enumerate()
@@ -328,8 +394,8 @@ pub(crate) fn decode<T: Element, KV: Element>(
             let token = (row / dims.q_heads) % q_len;
             let batch = row / (dims.q_heads * q_len);
             let (kv_head, member) = (q_head / group, q_head % group);
-            let first_task = (batch * dims.kv_heads + kv_head) * plan.num_splits;
-            let splits = (0..plan.num_splits).map(|s| {
+            let first_task = (batch * dims.kv_heads + kv_head) * num_splits;
+            let splits = (0..num_splits).map(|s| {
                 let part = (first_task + s) * rows + token * group + member;
                 (partial_lse[part], &partial_out[part * d..(part + 1) * d])
             });
@@ -485,115 +551,10 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
     }
 }
 
-/// The arithmetic of the partial pass's inner loops, in one form per instruction set. Only the
-/// multiply-add differs; everything else is written once on top of it.
-trait InnerLoops {
-    /// `a * b + c`.
-    fn mul_add(a: f32, b: f32, c: f32) -> f32;
-
-    /// `a · b`, with [`LANES`] independent accumulators so that the adds do not wait on one
-    /// dependency chain. Every supported head dim is a multiple of `LANES`.
-    #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let mut acc = [0f32; LANES];
-        let split = a.len() - a.len() % LANES;
-        for (x, y) in a[..split]
-            .chunks_exact(LANES)
-            .zip(b[..split].chunks_exact(LANES))
-        {
-            for i in 0..LANES {
-                acc[i] = Self::mul_add(x[i], y[i], acc[i]);
-            }
-        }
-        let tail: f32 = a[split..].iter().zip(&b[split..]).map(|(x, y)| x * y).sum();
-        acc.iter().sum::<f32>() + tail
-    }
-
-    /// `acc += alpha * x`.
-    #[inline(always)]
-    fn axpy(alpha: f32, x: &[f32], acc: &mut [f32]) {
-        for (a, &v) in acc.iter_mut().zip(x) {
-            *a = Self::mul_add(alpha, v, *a);
-        }
-    }
-
-    /// `2^x` for `x ≤ 0` (a score minus the running max), within 1.9e-7 relative, in a form the
-    /// compiler vectorises (libm's `exp2f` is a call per element). Inputs below -126 give 2^-126,
-    /// which weighs nothing next to the running sum (at least 1); NaN stays NaN.
-    #[inline(always)]
-    fn exp2_nonpositive(x: f32) -> f32 {
-        // Near-minimax polynomial for 2^f on [-1, 0] (constant and linear terms exact).
-        const C: [f32; 7] = [
-            1.0,
-            std::f32::consts::LN_2,
-            0.240_225_69,
-            0.055_495_9,
-            0.009_588_331,
-            0.001_282_349_7,
-            0.000_111_416_89,
-        ];
-        let x = if x < -126.0 { -126.0 } else { x };
-        // x = whole + frac with whole = trunc(x) in [-126, 0] and frac in (-1, 0].
-        let whole = x as i32;
-        let frac = x - whole as f32;
-        let mut p = C[6];
-        for &c in C[..6].iter().rev() {
-            p = Self::mul_add(p, frac, c);
-        }
-        p * f32::from_bits(((whole + 127) as u32) << 23)
-    }
-}
-
-/// Independent accumulators per dot product: two 8-wide vectors.
-const LANES: usize = 16;
-
-/// Separate multiplies and adds, which the compiler vectorises for the target's baseline.
-struct Portable;
-
-impl InnerLoops for Portable {
-    #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a * b + c
-    }
-}
-
-/// Fused multiply-adds; only fast where FMA is enabled (inside [`attend_chunk_avx2`]).
-#[cfg(target_arch = "x86_64")]
-struct Fused;
-
-#[cfg(target_arch = "x86_64")]
-impl InnerLoops for Fused {
-    #[inline(always)]
-    fn mul_add(a: f32, b: f32, c: f32) -> f32 {
-        a.mul_add(b, c)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::op::validate::DecodeDims;
-
-    fn check_exp2<S: InnerLoops>() {
-        let mut worst = 0f64;
-        for i in 0..=200_000 {
-            let x = -130.0 * i as f32 / 200_000.0;
-            let got = S::exp2_nonpositive(x) as f64;
-            let want = (x.max(-126.0) as f64).exp2();
-            worst = worst.max((got / want - 1.0).abs());
-        }
-        assert!(worst < 3e-7, "exp2 relative error {worst}");
-        assert_eq!(S::exp2_nonpositive(0.0), 1.0);
-        assert!(S::exp2_nonpositive(f32::NEG_INFINITY) <= f32::MIN_POSITIVE);
-        assert!(S::exp2_nonpositive(f32::NAN).is_nan());
-    }
-
-    #[test]
-    fn exp2_is_accurate() {
-        check_exp2::<Portable>();
-        #[cfg(target_arch = "x86_64")]
-        check_exp2::<Fused>();
-    }
 
     /// The portable loops against whichever this CPU dispatches to, on one chunk.
     #[test]
@@ -645,6 +606,7 @@ mod tests {
             v_scale: 1.0,
             window_left: None,
             softcap: None,
+            poison_scratch: false,
         };
         let plan = SplitPlan {
             num_splits: 1,

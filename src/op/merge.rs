@@ -2,11 +2,59 @@
 //! (max, sum, weighted rows) states: scores of a tile into a running softmax, and the splits of a
 //! sequence into its output. Base 2 throughout, as on the GPU.
 
-/// A running merge: the largest score (base 2) seen, the sum of weights relative to it, and the
-/// rows weighted the same way, accumulated into the caller's buffer.
-pub(crate) struct MergeState<'a> {
+/// The statistics of a running softmax: the largest score (base 2) seen and the sum of weights
+/// relative to it. Callers that keep the weighted rows of many states in one buffer hold these
+/// alone and rescale and normalise the rows themselves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct SoftmaxStats {
     max: f32,
     sum: f32,
+}
+
+impl SoftmaxStats {
+    /// Nothing added yet.
+    pub const EMPTY: Self = Self {
+        max: f32::NEG_INFINITY,
+        sum: 0.0,
+    };
+
+    /// The running maximum.
+    pub fn max(&self) -> f32 {
+        self.max
+    }
+
+    /// Raises the running maximum to at least `max`, so that parts up to `max` can be added with
+    /// weights `exp2(score - self.max())` ≤ 1. Returns the factor the rows accumulated so far
+    /// must be multiplied by: 1 when the maximum did not move, 0 while nothing has been added.
+    pub fn raise_max(&mut self, max: f32) -> f32 {
+        if max <= self.max {
+            return 1.0;
+        }
+        let rescale = (self.max - max).exp2();
+        self.sum *= rescale;
+        self.max = max;
+        rescale
+    }
+
+    /// Adds `weight`, relative to the running maximum, to the sum.
+    pub fn add_weight(&mut self, weight: f32) {
+        self.sum += weight;
+    }
+
+    /// The factor that normalises the accumulated rows, and the log-sum-exp in base 2; `None`
+    /// when nothing with weight was added.
+    pub fn finish(self) -> Option<(f32, f32)> {
+        if self.sum <= 0.0 || self.max == f32::NEG_INFINITY {
+            return None;
+        }
+        Some((1.0 / self.sum, self.max + self.sum.log2()))
+    }
+}
+
+/// A running merge: [`SoftmaxStats`] and the rows weighted the same way, accumulated into the
+/// caller's buffer.
+pub(crate) struct MergeState<'a> {
+    stats: SoftmaxStats,
     acc: &'a mut [f32],
 }
 
@@ -15,29 +63,23 @@ impl<'a> MergeState<'a> {
     pub fn new(acc: &'a mut [f32]) -> Self {
         acc.fill(0.0);
         Self {
-            max: f32::NEG_INFINITY,
-            sum: 0.0,
+            stats: SoftmaxStats::EMPTY,
             acc,
         }
     }
 
     /// The running maximum.
     pub fn max(&self) -> f32 {
-        self.max
+        self.stats.max()
     }
 
-    /// Raises the running maximum to at least `max`, rescaling what has been accumulated, so
-    /// that parts up to `max` can be added with weights `exp2(score - self.max())` ≤ 1.
+    /// Raises the running maximum to at least `max`, rescaling what has been accumulated (see
+    /// [`SoftmaxStats::raise_max`]).
     pub fn raise_max(&mut self, max: f32) {
-        if max <= self.max {
-            return;
-        }
-        let rescale = (self.max - max).exp2(); // 0 while nothing has been added
+        let rescale = self.stats.raise_max(max);
         if rescale != 1.0 {
-            self.sum *= rescale;
             self.acc.iter_mut().for_each(|a| *a *= rescale);
         }
-        self.max = max;
     }
 
     /// Adds a part of weight `weight` relative to the running maximum, whose own weights sum to
@@ -50,14 +92,14 @@ impl<'a> MergeState<'a> {
         axpy: impl FnOnce(f32, &[f32], &mut [f32]),
     ) {
         if weight > 0.0 {
-            self.sum += weight * part_sum;
+            self.stats.add_weight(weight * part_sum);
             axpy(weight, row, self.acc);
         }
     }
 
     /// Adds `weight` to the sum alone, for callers that accumulate the rows themselves.
     pub fn add_weight(&mut self, weight: f32) {
-        self.sum += weight;
+        self.stats.add_weight(weight);
     }
 
     /// The accumulated rows, for callers that accumulate them themselves.
@@ -68,13 +110,16 @@ impl<'a> MergeState<'a> {
     /// Normalises the rows by the sum and returns the log-sum-exp in base 2: −inf, with zero
     /// rows, when nothing with weight was added.
     pub fn finish(self) -> f32 {
-        if self.sum <= 0.0 || self.max == f32::NEG_INFINITY {
-            self.acc.fill(0.0);
-            return f32::NEG_INFINITY;
+        match self.stats.finish() {
+            Some((inv_sum, lse)) => {
+                self.acc.iter_mut().for_each(|a| *a *= inv_sum);
+                lse
+            }
+            None => {
+                self.acc.fill(0.0);
+                f32::NEG_INFINITY
+            }
         }
-        let inv = 1.0 / self.sum;
-        self.acc.iter_mut().for_each(|a| *a *= inv);
-        self.max + self.sum.log2()
     }
 }
 

@@ -23,12 +23,15 @@ use plan::SplitPlan;
 /// Where a call that asked for the LSE finds it once the op has run.
 type LseSlot = Arc<Mutex<Option<Tensor>>>;
 
-/// Split-KV attention for one decode step.
+/// Split-KV attention of the last t positions of each sequence over their K/V: a decode step
+/// (t = 1), a verification pass of drafted tokens, or a prefill chunk.
 ///
-/// - q: `(batch, t, q_heads, head_dim)`, 1 ≤ t ≤ [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS):
-///   the last t positions of each sequence, query token i seeing the keys up to position
-///   `len − t + i` (causal, aligned to the end of the cache); a token that sees no key gets
-///   zeros and an LSE of −inf. The t tokens of a sequence share one pass over its K/V.
+/// - q: `(batch, t, q_heads, head_dim)`: the last t positions of each sequence, query token i
+///   seeing the keys up to position `len − t + i` (causal, aligned to the end of the cache); a
+///   token that sees no key gets zeros and an LSE of −inf. The CPU takes any t ≥ 1 (past a few
+///   tokens, a tiled prefill pass); CUDA takes 1 ≤ t ≤
+///   [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) today. The t tokens of a sequence share
+///   each pass over its K/V.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous. Both in
 ///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::with_kv_scales`] giving the
 ///   real values; on CUDA fp8 takes an f16 or bf16 q and a build for compute capability 89 or
@@ -188,7 +191,7 @@ impl SplitKvAttention {
         let dims = validate::check_tensors(q, k, k, self.block_table.as_ref())?;
         let call = self.call(dims)?;
         match q.device() {
-            Device::Cpu => Ok(call.split_plan(cpu::parallel_slots(), plan::MIN_CHUNK)),
+            Device::Cpu => Ok(cpu::split_plan(&call)),
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) => crate::cuda::split_plan(&call, dev, (q.dtype(), k.dtype())),
             other => bail!(
@@ -294,8 +297,8 @@ pub fn flash_decode_paged(
         .forward(q, k_pages, v_pages)
 }
 
-/// Whether the op takes `t` query tokens per sequence: 1 to
-/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS), on every device.
+/// Whether the op takes `t` query tokens per sequence on every device: 1 to
+/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) (the CPU alone takes more).
 pub(crate) fn takes_query_tokens(t: usize) -> bool {
     (1..=validate::MAX_QUERY_TOKENS).contains(&t)
 }
@@ -345,6 +348,7 @@ impl CustomOp3 for SplitKvAttention {
             (v.dtype(), v_layout),
             self.block_table.as_ref().map(Tensor::dims),
         )?;
+        validate::check_cuda_query_tokens(dims.q_len)?;
         let call = self.call(dims)?;
         let (out, lse) = crate::cuda::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
         self.deliver_lse(lse)?;

@@ -116,10 +116,10 @@ pub fn check_layouts(
     }
     let (b, q_len, h_q, d) = q_layout.shape().dims4()?;
     let (kb, kv_len, h_kv, kd) = k_layout.shape().dims4()?;
-    if q_len == 0 || q_len > MAX_QUERY_TOKENS {
+    if q_len == 0 {
         bail!(
-            "split-kv attention: q has q_len = {q_len} (shape {:?}); the op takes 1 to \
-             {MAX_QUERY_TOKENS} query tokens per sequence; use causal attention for a longer prefill",
+            "split-kv attention: q has q_len = 0 (shape {:?}); the op takes at least one query \
+             token per sequence",
             q_layout.dims()
         )
     }
@@ -165,6 +165,19 @@ pub fn check_layouts(
         q_len,
         pages,
     })
+}
+
+/// The query tokens per sequence the CUDA kernels take: at most [`MAX_QUERY_TOKENS`] (the CPU
+/// takes any number).
+pub fn check_cuda_query_tokens(q_len: usize) -> Result<()> {
+    if q_len > MAX_QUERY_TOKENS {
+        bail!(
+            "split-kv attention: q has q_len = {q_len}; on CUDA the op takes at most \
+             {MAX_QUERY_TOKENS} query tokens per sequence today (the CPU takes any number); use \
+             causal attention for a longer prefill on the GPU"
+        )
+    }
+    Ok(())
 }
 
 /// The page sizes of a pool of `num_pages` pages of `page_size` positions, read through a block
@@ -214,7 +227,7 @@ fn check_page_dims(
 const MAX_KV_LEN: usize = i32::MAX as usize;
 
 /// Checks tensors before they reach the op: everything [`check_layouts`] checks, plus devices,
-/// and with a block table its dtype and device.
+/// the query tokens the device takes, and with a block table its dtype and device.
 pub fn check_tensors(
     q: &Tensor,
     k: &Tensor,
@@ -245,12 +258,16 @@ pub fn check_tensors(
             )
         }
     }
-    check_layouts(
+    let dims = check_layouts(
         (q.dtype(), q.layout()),
         (k.dtype(), k.layout()),
         (v.dtype(), v.layout()),
         block_table.map(Tensor::dims),
-    )
+    )?;
+    if q.device().is_cuda() {
+        check_cuda_query_tokens(dims.q_len)?;
+    }
+    Ok(dims)
 }
 
 /// Checks the per-sequence lengths of a varlen call: u32 of shape `(batch,)`, on q's device.

@@ -22,6 +22,13 @@
 //! page, one token each per step, the weights read once for all of them; the `splitkv_paged`
 //! line gives the step time and the aggregate tokens/s (B per step).
 //!
+//! With `--prefill T1,T2,…`, it times time to first token instead: a T-token prompt of token ids
+//! spread over the vocabulary through the model's own prefill (`Llama::forward`, in chunks of
+//! `--prefill-chunk` tokens, each attending over the chunks before it), after one warm-up
+//! prefill. The `splitkv_prefill` line gives `ttft_ms`, and `attention_ms`: the same chunks'
+//! attention alone (cache writes and attention calls of every layer, on random q/k/v of the
+//! chunks' shapes), `rest_ms` the difference (projections, MLP, norms, RoPE, the head).
+//!
 //! Prints one JSON line per (context, backend):
 //! `{"kind":"e2e","model":...,"kv_dtype":...,"context":C,"backend":...,"ms_per_token":...,...}`
 //! with the attention share of the step time (our backends) and the bytes a step must read
@@ -32,6 +39,7 @@
 //! cargo run --release --features cuda --example bench_llama                 # Llama-3-8B shape, bf16
 //! cargo run --release --example bench_llama -- --config small --cpu         # small model on the CPU
 //! cargo run --release --features cuda --example bench_llama -- --contexts 8192 --batch 16
+//! cargo run --release --features cuda --example bench_llama -- --prefill 8192,32768,131072
 //! ```
 
 use std::collections::HashMap;
@@ -40,8 +48,12 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions, RopeScaling};
-use candle_splitkv::{AttentionBackend, CachedAttention, PagedKvCache, SequenceId};
+use candle_splitkv::models::llama::{
+    Llama, LlamaConfig, LoadOptions, RopeScaling, DEFAULT_PREFILL_CHUNK,
+};
+use candle_splitkv::{
+    AttentionBackend, AttentionStep, CachedAttention, KvCache, PagedKvCache, SequenceId,
+};
 use candle_transformers::models::llama as stock;
 use clap::{Parser, ValueEnum};
 
@@ -123,6 +135,16 @@ struct Args {
     /// launch). Everything here runs on candle's one stream, so by default it is turned off.
     #[arg(long)]
     event_tracking: bool,
+    /// Prompt tokens per prefill chunk of our model (default: `DEFAULT_PREFILL_CHUNK`).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Time to first token instead of decode steps: a prompt of each of these lengths
+    /// (comma-separated) through our model's own prefill, in chunks of `--prefill-chunk`.
+    #[arg(long, value_delimiter = ',')]
+    prefill: Vec<usize>,
+    /// Timed prefills per prompt length, after one warm-up prefill.
+    #[arg(long, default_value_t = 2)]
+    prefill_runs: usize,
 }
 
 fn model_config(preset: Preset, layers: Option<usize>, max_context: usize) -> LlamaConfig {
@@ -457,7 +479,7 @@ fn run_batch(
     let step = cache.begin_step(&ids, 1)?;
     let attention_ms = time_steps(&device, steps, |_| {
         for layer in 0..c.num_hidden_layers {
-            attention.forward_paged(&q, &kv, &kv, &cache, layer, &step)?;
+            attention.forward(&q, &kv, &kv, AttentionStep::paged(&cache, layer, &step))?;
         }
         Ok(())
     })?;
@@ -465,6 +487,72 @@ fn run_batch(
         step_ms,
         attention_ms,
         host_ms: host_secs * 1e3 / steps as f64,
+    })
+}
+
+/// What a prefill of a prompt costs.
+struct PrefillTiming {
+    /// The whole prefill, to the last token's logits: time to first token.
+    total_ms: f64,
+    /// The attention alone: every layer's cache writes and attention calls over every chunk.
+    attention_ms: f64,
+}
+
+/// A prompt of `len` token ids spread over the vocabulary (a fixed stride through it, so that
+/// neighbouring tokens differ as text's do).
+fn prompt(len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|i| ((i * 7919 + 17) % vocab) as u32).collect()
+}
+
+/// Time to first token of a `len`-token prompt through `model.forward` (its chunked prefill),
+/// then the attention of that prefill alone: the same chunks' q/k/v shapes through
+/// `CachedAttention` for every layer, over a cache that grows chunk by chunk. Projections, norms
+/// and the rest take the difference.
+fn run_prefill(model: &mut Llama, len: usize, runs: usize) -> Result<PrefillTiming> {
+    let device = model.device().clone();
+    let c = model.config().clone();
+    let tokens = prompt(len, c.vocab_size);
+    model.set_backend(AttentionBackend::SplitKv);
+    model.reset();
+    model.forward(&tokens)?;
+    let mut total = 0.0;
+    for _ in 0..runs {
+        model.reset();
+        device.synchronize()?;
+        let start = Instant::now();
+        model.forward(&tokens)?;
+        device.synchronize()?;
+        total += start.elapsed().as_secs_f64();
+    }
+    model.reset();
+
+    let chunk = model.prefill_chunk();
+    let mut cache = KvCache::new(&model.caches_mut()[0].config())?;
+    let attention = CachedAttention::new(1.0 / (c.head_dim as f32).sqrt());
+    let random = |n: usize, heads: usize| {
+        Tensor::randn(0f32, 1.0, (1, n, heads, c.head_dim), &device)?.to_dtype(model.dtype())
+    };
+    let mut attention_secs = 0.0;
+    for start in (0..len).step_by(chunk) {
+        let n = chunk.min(len - start);
+        let (q, kv) = (
+            random(n, c.num_attention_heads)?,
+            random(n, c.num_key_value_heads)?,
+        );
+        device.synchronize()?;
+        let timer = Instant::now();
+        for _ in 0..runs {
+            for _ in 0..c.num_hidden_layers {
+                cache.truncate(start);
+                attention.forward(&q, &kv, &kv, AttentionStep::new(&mut cache))?;
+            }
+        }
+        device.synchronize()?;
+        attention_secs += timer.elapsed().as_secs_f64();
+    }
+    Ok(PrefillTiming {
+        total_ms: total * 1e3 / runs as f64,
+        attention_ms: attention_secs * 1e3 / runs as f64,
     })
 }
 
@@ -529,7 +617,7 @@ fn run_ours(
     .to_dtype(dtype)?;
     let attention_ms = time_steps(&device, steps, |_| {
         for cache in model.caches_mut() {
-            attention.forward(&q, &kv, &kv, cache)?;
+            attention.forward(&q, &kv, &kv, AttentionStep::new(cache))?;
             cache.truncate(context);
         }
         Ok(())
@@ -610,7 +698,12 @@ fn main() -> Result<()> {
     if !(0.0..=1.0).contains(&args.acceptance) {
         bail!("--acceptance {} must lie in [0, 1]", args.acceptance)
     }
-    let max_context = contexts.iter().copied().max().unwrap_or(0);
+    let max_context = contexts
+        .iter()
+        .chain(&args.prefill)
+        .copied()
+        .max()
+        .unwrap_or(0);
     let config = model_config(args.config, args.layers, max_context);
     let model_name = format!(
         "{}-shape-{}-layers",
@@ -627,6 +720,46 @@ fn main() -> Result<()> {
         kv_dtype_name(kv_dtype)
     );
     let weights = random_weights(&config, dtype, &device)?;
+    let prefill_chunk = args.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK);
+
+    if !args.prefill.is_empty() {
+        if args.prefill.contains(&0) || args.prefill_runs == 0 {
+            bail!("--prefill lengths and --prefill-runs must be at least 1")
+        }
+        let vb = VarBuilder::from_tensors(weights.clone(), dtype, &device);
+        let options = LoadOptions {
+            initial_cache_capacity: max_context + CONTEXT_MARGIN,
+            cache_dtype: Some(kv_dtype),
+            prefill_chunk,
+            ..LoadOptions::default()
+        };
+        let mut model = Llama::from_var_builder(vb, config.clone(), dtype, options)?;
+        for &len in &args.prefill {
+            let report = Report {
+                model: &model_name,
+                dtype,
+                kv_dtype,
+                device: device_name,
+                context: len,
+                steps: args.prefill_runs,
+                bytes: 0,
+            };
+            match run_prefill(&mut model, len, args.prefill_runs) {
+                Ok(t) => println!(
+                    "{{{},\"prefill_chunk\":{prefill_chunk},\"runs\":{},\"ttft_ms\":{:.3},\
+                     \"tokens_per_s\":{:.1},\"attention_ms\":{:.3},\"rest_ms\":{:.3}}}",
+                    report.head("splitkv_prefill"),
+                    args.prefill_runs,
+                    t.total_ms,
+                    len as f64 * 1e3 / t.total_ms,
+                    t.attention_ms,
+                    t.total_ms - t.attention_ms
+                ),
+                Err(e) => report.error("splitkv_prefill", &e.to_string()),
+            }
+        }
+        return Ok(());
+    }
 
     for &context in &contexts {
         let report = Report {
@@ -650,6 +783,7 @@ fn main() -> Result<()> {
             let options = LoadOptions {
                 initial_cache_capacity: context + CONTEXT_MARGIN,
                 cache_dtype: Some(kv_dtype),
+                prefill_chunk,
                 ..LoadOptions::default()
             };
             let mut model = Llama::from_var_builder(vb, config.clone(), dtype, options)?;

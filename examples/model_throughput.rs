@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{Llama, LoadOptions};
+use candle_splitkv::models::llama::{Llama, LoadOptions, DEFAULT_PREFILL_CHUNK};
 use candle_splitkv::AttentionBackend;
 use candle_splitkv::SequenceId;
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
@@ -54,6 +54,9 @@ struct Args {
     /// Positions per page of the paged cache.
     #[arg(long, default_value_t = 16)]
     page_size: usize,
+    /// Prompt tokens per prefill chunk (default: the model's, `DEFAULT_PREFILL_CHUNK`).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
 }
 
 /// A deterministic prompt of `len` tokens: an English passage, repeated, starting `offset`
@@ -177,6 +180,7 @@ fn main() -> Result<()> {
     };
     let options = LoadOptions {
         cache_dtype,
+        prefill_chunk: args.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
         ..LoadOptions::default()
     };
     let loaded = Llama::load_with(&args.model, &device, options)?;

@@ -47,13 +47,14 @@
 //!
 //! [`KvCache`] is a preallocated, head-major cache written in place (it copies only when its
 //! capacity doubles), in f32, f16, bf16 or fp8 ([`CACHE_DTYPES`]). [`CachedAttention`] appends a
-//! step's keys and values to it and attends: a blocked causal attention for a prompt, the
-//! split-KV op for a decode step. Replace the concatenating cache and the attention of a layer
-//! with:
+//! step's keys and values to it and attends with the split-KV op, whatever the step: a prompt or
+//! a chunk of one, a decode step, a few tokens being verified ([`AttentionStep`] says which
+//! cache and where its positions live). Replace the concatenating cache and the attention of a
+//! layer with:
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
-//! use candle_splitkv::{CachedAttention, KvCache, KvCacheConfig};
+//! use candle_splitkv::{AttentionStep, CachedAttention, KvCache, KvCacheConfig};
 //! # fn main() -> candle_core::Result<()> {
 //! let (q_heads, kv_heads, head_dim) = (8, 2, 64);
 //! let device = Device::Cpu;
@@ -76,7 +77,7 @@
 //!     let q = Tensor::randn(0f32, 1.0, (1, t, q_heads, head_dim), &device)?;
 //!     let k = Tensor::randn(0f32, 1.0, (1, t, kv_heads, head_dim), &device)?;
 //!     let v = Tensor::randn(0f32, 1.0, (1, t, kv_heads, head_dim), &device)?;
-//!     let y = attention.forward(&q, &k, &v, &mut cache)?;
+//!     let y = attention.forward(&q, &k, &v, AttentionStep::new(&mut cache))?;
 //!     assert_eq!(y.dims(), &[1, t, q_heads, head_dim]);
 //! }
 //! assert_eq!(cache.len(), 6);
@@ -86,9 +87,10 @@
 //! K/V are shared across each grouped-query group, so `q_heads` may be any multiple of
 //! `kv_heads`. For batches of sequences that come and go, [`PagedKvCache`] keeps every layer's
 //! keys and values in pools of pages: [`PagedKvCache::begin_step`] makes room for a step and
-//! returns its [`PagedStep`], and [`CachedAttention::forward_paged`] attends each layer through
-//! it. [`fused_linear`] runs a decode step's projections with the RMSNorm before them and the
-//! residual add or SwiGLU after them in one CUDA kernel ([`LinearInput`], [`LinearOutput`]).
+//! returns its [`PagedStep`], and [`CachedAttention::forward`] attends each layer through it
+//! ([`AttentionStep::paged`]). [`fused_linear`] runs a decode step's projections with the
+//! RMSNorm before them and the residual add or SwiGLU after them in one CUDA kernel
+//! ([`LinearInput`], [`LinearOutput`]).
 //!
 //! # Models
 //!
@@ -122,8 +124,8 @@ pub mod test_hooks;
 pub use device_memory::retain_freed_device_memory;
 pub use fp8::{dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, E4M3_MAX};
 pub use nn::{
-    fused_linear, linear_unfused, AttentionBackend, CachedAttention, DeviceLengths, KvCache,
-    KvCacheConfig, LinearInput, LinearOutput, PagedKvCache, PagedKvCacheConfig, PagedStep,
+    fused_linear, linear_unfused, AttentionBackend, AttentionStep, CachedAttention, DeviceLengths,
+    KvCache, KvCacheConfig, LinearInput, LinearOutput, PagedKvCache, PagedKvCacheConfig, PagedStep,
     SequenceId, CACHE_DTYPES,
 };
 pub use op::validate::{MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};

@@ -13,7 +13,7 @@ use candle_splitkv::models::speculative::{
 };
 use candle_splitkv::test_hooks::split_plan;
 use candle_splitkv::AttentionBackend;
-use candle_splitkv::{CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
+use candle_splitkv::{AttentionStep, CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
 use common::tiny_llama::{decisive_next, write_decisive_tiny_model, write_tiny_model, VOCAB};
 
 fn load(dir: &Path) -> Result<Llama> {
@@ -340,17 +340,23 @@ fn as_steps_against_steps(cache_dtype: DType, (k_scale, v_scale): (f32, f32)) ->
     let mut steps = Vec::new();
     for i in 0..t {
         let narrow = |x: &Tensor| x.narrow(1, i, 1);
-        let out = attention.forward(&narrow(&q)?, &narrow(&k)?, &narrow(&v)?, &mut cache)?;
+        let out = attention.forward(
+            &narrow(&q)?,
+            &narrow(&k)?,
+            &narrow(&v)?,
+            AttentionStep::new(&mut cache),
+        )?;
         steps.push(out.flatten_all()?.to_vec1::<f32>()?);
     }
     let rows = |out: Tensor| -> Result<Vec<Vec<f32>>> {
         Ok(out.squeeze(0)?.flatten_from(1)?.to_vec2::<f32>()?)
     };
     cache.truncate(past);
-    let as_steps = rows(attention.forward_as_steps(&q, &k, &v, &mut cache)?)?;
+    let as_steps =
+        rows(attention.forward(&q, &k, &v, AttentionStep::new(&mut cache).as_decode_steps())?)?;
     assert_eq!(as_steps, steps);
     cache.truncate(past);
-    let one_call = rows(attention.forward(&q, &k, &v, &mut cache)?)?;
+    let one_call = rows(attention.forward(&q, &k, &v, AttentionStep::new(&mut cache))?)?;
     assert_ne!(
         one_call,
         steps,

@@ -4,9 +4,10 @@
 //! after attention and the MLP as well, GELU, scaled embeddings, soft-capped scores and logits),
 //! with the sliding windows each applies (see [`LlamaConfig::window_left`]).
 //!
-//! Each layer applies RoPE as its own op, then hands q, k and v to [`CachedAttention`]: the
-//! prompt runs a blocked causal attention, each generated token runs the split-KV op over a
-//! [`KvCache`] that is appended in place. Weights load from an HF directory (config.json,
+//! Each layer applies RoPE as its own op, then hands q, k and v to [`CachedAttention`], which
+//! appends k and v to a [`KvCache`] in place and attends over it with the split-KV op. A prompt
+//! goes in chunks of [`LoadOptions::prefill_chunk`] tokens, each a block of queries over the
+//! cache before it, so that a long prompt holds one chunk's activations at a time. Weights load from an HF directory (config.json,
 //! tokenizer.json, *.safetensors) or from a GGUF file (tokenizer and chat template from its
 //! metadata); see [`Llama::load`].
 
@@ -26,7 +27,7 @@ use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::linear::Linear;
-use crate::nn::attention::{CachedAttention, DeviceLengths};
+use crate::nn::attention::{AttentionStep, CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
 use crate::nn::paged_cache::{PagedKvCache, PagedStep};
 
@@ -41,6 +42,9 @@ pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};
 
 /// Positions each layer's cache holds before its first growth (capped at the context length).
 const DEFAULT_INITIAL_CACHE_CAPACITY: usize = 1024;
+
+/// Prompt tokens per chunk of a prefill (see [`LoadOptions::prefill_chunk`]).
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
 
 /// Options of [`Llama::load_with`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -73,6 +77,13 @@ pub struct LoadOptions {
     /// attention biases or q/k norms only (the fused kernels have neither): Qwen2 and Qwen3
     /// layers stay separate.
     pub joined_layers: Option<bool>,
+    /// Prompt tokens written to the cache and attended per chunk ([`DEFAULT_PREFILL_CHUNK`] by
+    /// default, at least 1). Each chunk is a block of queries over the whole cache before it,
+    /// so a prompt of any length holds one chunk's activations at a time (q/k/v, the MLP's
+    /// intermediates, attention scores), while a chunk of 2048 rows keeps the projections'
+    /// matmuls as efficient as the whole prompt's would be. Results agree with one pass over
+    /// the whole prompt to rounding.
+    pub prefill_chunk: usize,
 }
 
 impl Default for LoadOptions {
@@ -86,6 +97,7 @@ impl Default for LoadOptions {
             cache_v_scale: 1.0,
             initial_cache_capacity: DEFAULT_INITIAL_CACHE_CAPACITY,
             joined_layers: None,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
         }
     }
 }
@@ -168,22 +180,24 @@ impl LayerKv<'_> {
         attention: &CachedAttention,
         (q, k, v): (&Tensor, &Tensor, &Tensor),
     ) -> Result<Tensor> {
-        let (cache, positions) = match self {
-            LayerKv::Own(cache, positions) => (cache, positions),
+        let step = match self {
+            LayerKv::Own(cache, Positions::Host(Rows::BySize)) => AttentionStep::new(cache),
+            LayerKv::Own(cache, Positions::Host(Rows::AsDecode)) => {
+                AttentionStep::new(cache).as_decode_steps()
+            }
+            LayerKv::Own(cache, Positions::Recorded(record)) => {
+                let mut lse = None;
+                let out =
+                    attention.forward(q, k, v, AttentionStep::new(cache).with_lse(&mut lse))?;
+                record.borrow_mut().extend(lse);
+                return Ok(out);
+            }
+            LayerKv::Own(cache, Positions::Device(lengths)) => AttentionStep::at(cache, lengths),
             LayerKv::Paged {
                 cache, layer, step, ..
-            } => return attention.forward_paged(q, k, v, cache, layer, step),
+            } => AttentionStep::paged(cache, layer, step),
         };
-        match positions {
-            Positions::Host(Rows::BySize) => attention.forward(q, k, v, cache),
-            Positions::Host(Rows::AsDecode) => attention.forward_as_steps(q, k, v, cache),
-            Positions::Recorded(record) => {
-                let (out, lse) = attention.forward_with_lse(q, k, v, cache)?;
-                record.borrow_mut().extend(lse);
-                Ok(out)
-            }
-            Positions::Device(lengths) => attention.forward_at(q, k, v, cache, lengths),
-        }
+        attention.forward(q, k, v, step)
     }
 }
 
@@ -331,6 +345,22 @@ fn layer_attention(
     attention.with_window_left(config.window_left(index))
 }
 
+/// Checks a prefill chunk size.
+fn check_prefill_chunk(tokens: usize) -> Result<()> {
+    if tokens == 0 {
+        bail!("model: prefill_chunk must be at least 1 token")
+    }
+    Ok(())
+}
+
+/// The logits of a prompt's last chunk, from the per-chunk results of [`Llama::in_chunks`].
+fn logits_of_last(chunks: Vec<Option<Tensor>>) -> Result<Tensor> {
+    match chunks.into_iter().last().flatten() {
+        Some(logits) => Ok(logits),
+        None => bail!("model forward: the prompt's last chunk gave no logits"),
+    }
+}
+
 /// The weights of a model, however they were loaded.
 #[derive(Debug, Clone)]
 struct Weights {
@@ -360,6 +390,8 @@ pub struct Llama {
     fused_decode: bool,
     /// Capture one-token CUDA steps as graphs (see [`Llama::set_cuda_graph`]).
     cuda_graph: bool,
+    /// Prompt tokens per chunk (see [`LoadOptions::prefill_chunk`]).
+    prefill_chunk: usize,
     /// The inputs of one-token CUDA steps and their graph, from the first such step on.
     #[cfg(feature = "cuda")]
     device_steps: Option<DeviceSteps>,
@@ -577,6 +609,7 @@ impl Llama {
         device: &Device,
         options: LoadOptions,
     ) -> Result<Self> {
+        check_prefill_chunk(options.prefill_chunk)?;
         let rope = RotaryEmbedding::new(&config, rope_freq_factors, rope_layout, dtype, device)?;
         // The cache checks the dtype and the scales.
         let cache_dtype = options.cache_dtype.unwrap_or(dtype);
@@ -608,6 +641,7 @@ impl Llama {
             weight_choices: Vec::new(),
             fused_decode: true,
             cuda_graph: false,
+            prefill_chunk: options.prefill_chunk,
             #[cfg(feature = "cuda")]
             device_steps: None,
         })
@@ -628,20 +662,68 @@ impl Llama {
                 return self.device_step(*token);
             }
         }
-        let x = self.hidden_states(tokens, Positions::Host(Rows::BySize))?;
-        self.last_logits(&x)
+        let logits = self.in_chunks(tokens, |model, chunk, last| {
+            let x = model.hidden_states(chunk, Positions::Host(Rows::BySize))?;
+            last.then(|| model.last_logits(&x)).transpose()
+        })?;
+        logits_of_last(logits)
+    }
+
+    /// Runs `tokens` (checked whole first) through `run` in chunks of at most
+    /// [`Llama::prefill_chunk`] tokens, each after the ones before it in the cache; `run` is told
+    /// which chunk is the last. On an error the cache is rolled back to where it stood.
+    fn in_chunks<T>(
+        &mut self,
+        tokens: &[u32],
+        mut run: impl FnMut(&mut Self, &[u32], bool) -> Result<T>,
+    ) -> Result<Vec<T>> {
+        self.check_tokens(tokens)?;
+        let start = self.cache_len();
+        let chunks = tokens.len().div_ceil(self.prefill_chunk);
+        let results = tokens
+            .chunks(self.prefill_chunk)
+            .enumerate()
+            .map(|(i, chunk)| run(self, chunk, i + 1 == chunks))
+            .collect::<Result<Vec<_>>>();
+        if results.is_err() {
+            self.truncate(start);
+        }
+        results
     }
 
     /// Like [`Llama::forward`], also returning the natural-log LSE of every layer's split-KV
     /// attention, in layer order: one f32 `(1, q_heads, t)` tensor per layer, for debugging (a
     /// map of them over the steps shows heads that spread or lock their attention, and splits
-    /// lost in a merge). Passes that do not run the op (a prompt of more than
-    /// [`crate::MAX_QUERY_TOKENS`] tokens, the naive backend) return no LSE. The pass runs fed
-    /// from the host, uncaptured; on the CPU its logits are those of [`Llama::forward`].
+    /// lost in a merge). A prompt longer than [`Llama::prefill_chunk`] has each layer's LSE of
+    /// its chunks joined along t. Passes where the op did not run for every chunk (chunks of
+    /// more tokens than the op takes, the naive backend) return no LSE. The pass runs fed from
+    /// the host, uncaptured; on the CPU its logits are those of [`Llama::forward`].
     pub fn forward_with_lse(&mut self, tokens: &[u32]) -> Result<(Tensor, Vec<Tensor>)> {
-        let record = LseRecord::default();
-        let x = self.hidden_states(tokens, Positions::Recorded(&record))?;
-        Ok((self.last_logits(&x)?, record.into_inner()))
+        let layers = self.weights.layers.len();
+        let chunks = self.in_chunks(tokens, |model, chunk, last| {
+            let record = LseRecord::default();
+            let x = model.hidden_states(chunk, Positions::Recorded(&record))?;
+            let logits = last.then(|| model.last_logits(&x)).transpose()?;
+            Ok((logits, record.into_inner()))
+        })?;
+        let every_chunk_recorded = chunks.iter().all(|(_, lses)| lses.len() == layers);
+        let mut per_layer = vec![Vec::with_capacity(chunks.len()); layers];
+        let mut logits = Vec::with_capacity(1);
+        for (chunk_logits, lses) in chunks {
+            logits.push(chunk_logits);
+            for (layer, lse) in per_layer.iter_mut().zip(lses) {
+                layer.push(lse);
+            }
+        }
+        let lses = if every_chunk_recorded {
+            per_layer
+                .iter()
+                .map(|chunks| Tensor::cat(chunks, 2))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        Ok((logits_of_last(logits)?, lses))
     }
 
     /// The f32 logits `(vocab,)` of the last of hidden states `(1, t, hidden)`.
@@ -663,8 +745,11 @@ impl Llama {
         } else {
             Rows::BySize
         };
-        let x = self.hidden_states(tokens, Positions::Host(rows))?;
-        self.logits(&x, rows)?.squeeze(0)
+        let logits = self.in_chunks(tokens, |model, chunk, _| {
+            let x = model.hidden_states(chunk, Positions::Host(rows))?;
+            model.logits(&x, rows)?.squeeze(0)
+        })?;
+        Tensor::cat(&logits, 0)
     }
 
     /// Forgets the cached positions from `len` on, e.g. rejected drafted tokens: a length
@@ -676,7 +761,6 @@ impl Llama {
     /// The last layer's output `(1, t, hidden)` for `tokens`, appended to the cache after the
     /// lengths the host counts.
     fn hidden_states(&mut self, tokens: &[u32], positions: Positions) -> Result<Tensor> {
-        self.check_tokens(tokens)?;
         let t = tokens.len();
         let input = Tensor::new(tokens, &self.device)?.unsqueeze(0)?;
         let x = self.embed(&input)?;
@@ -873,6 +957,18 @@ impl Llama {
             )
         }
         self.cuda_graph = on;
+        Ok(())
+    }
+
+    /// Prompt tokens written and attended per chunk (see [`LoadOptions::prefill_chunk`]).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
+    /// Sets the prompt tokens per chunk (see [`LoadOptions::prefill_chunk`]); at least 1.
+    pub fn set_prefill_chunk(&mut self, tokens: usize) -> Result<()> {
+        check_prefill_chunk(tokens)?;
+        self.prefill_chunk = tokens;
         Ok(())
     }
 

@@ -1,26 +1,36 @@
 //! Attention over a [`KvCache`], the drop-in piece for candle models, or over one layer of a
-//! [`crate::PagedKvCache`] (`CachedAttention::forward_paged`).
+//! [`crate::PagedKvCache`].
 //!
 //! A model computes q, k and v, applies RoPE, and hands them to [`CachedAttention::forward`]
-//! together with the layer's cache. The new keys and values are written into the cache in place;
-//! then a decode step (`t == 1`), or a few tokens being verified, runs the split-KV op over the
-//! cache views with no copy of the cache, and a longer prompt runs a blocked causal attention.
+//! with an [`AttentionStep`] saying which cache they go to and where its positions live. The
+//! new keys and values are written into the cache in place; then the split-KV op attends q over
+//! the cache views, with no copy of the cache, whatever the step: a decode step, a few tokens
+//! being verified, a prompt or a chunk of one, a batch of sequences of different lengths, a
+//! paged batch. Token i of t sees the cache up to its own position (causal, aligned to the end
+//! of the cache), so a chunk of a prompt attends over the chunks before it.
+//!
+//! The naive backend ([`AttentionBackend::Naive`]) runs candle's textbook attention over the
+//! same cache, for A/B checks. A head dim the op does not take runs a blocked causal attention
+//! in candle's ops.
 //!
 //! Every path reads the cache's stored K/V with its scales (real = stored × scale), so an fp8
 //! cache attends to the same real values on all of them.
 
 mod paged;
+mod step;
 
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::cache::KvCache;
 use crate::op::SplitKvAttention;
+use step::StepKv;
+pub use step::{AttentionStep, DeviceLengths};
 
 /// Which attention runs over the cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionBackend {
-    /// Decode with the split-KV op; prefill with a blocked causal attention that skips the
-    /// masked half and shares K/V across each GQA group.
+    /// The split-KV op for every step; a head dim the op does not take runs a blocked causal
+    /// attention that skips the masked half and shares K/V across each GQA group.
     #[default]
     SplitKv,
     /// Candle's naive attention (repeat K/V per query head, full score matrix, mask, softmax),
@@ -28,10 +38,22 @@ pub enum AttentionBackend {
     Naive,
 }
 
-/// Query rows per block of the causal prefill (see [`CachedAttention::with_prefill_block`]).
+/// Query rows per block of the blocked causal attention (see
+/// [`CachedAttention::with_prefill_block`]).
 const DEFAULT_PREFILL_BLOCK: usize = 128;
 
-/// Causal attention of new tokens over a [`KvCache`].
+/// How a step attends: decided for every step in one place, [`CachedAttention::route`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// The split-KV op over the cache views.
+    Op,
+    /// The reference paths in candle's ops: blocked causal for the split-KV backend, naive for
+    /// the naive one.
+    Reference,
+}
+
+/// Causal attention of new tokens over a [`KvCache`] or a layer of a
+/// [`PagedKvCache`](crate::PagedKvCache), run by [`CachedAttention::forward`].
 ///
 /// - q: `(batch, t, q_heads, head_dim)`, k and v: `(batch, t, kv_heads, head_dim)`, all after
 ///   RoPE. `q_heads` must be a multiple of `kv_heads`. k and v are stored in the cache's dtype,
@@ -39,9 +61,9 @@ const DEFAULT_PREFILL_BLOCK: usize = 128;
 ///   one halves them again), with the cache's scales.
 /// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
 ///
-/// Token `i` of sequence `s` sits at position `cache.seq_lens()[s] + i` (before the call) and
-/// attends to every cached position up to and including its own, or with a sliding window to
-/// the last `window_left` before it.
+/// Token `i` of sequence `s` sits at position `len_s − t + i`, `len_s` its length after the step,
+/// and attends to every cached position up to and including its own, or with a sliding window
+/// to the last `window_left` before it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CachedAttention {
     softmax_scale: f32,
@@ -84,9 +106,9 @@ impl CachedAttention {
         self
     }
 
-    /// Query rows per block of the causal prefill (128 by default, at least 1): large enough
-    /// for efficient matmuls, small enough that the diagonal block, half of it masked, is a
-    /// small share of the work.
+    /// Query rows per block of the blocked causal attention (128 by default, at least 1): large
+    /// enough for efficient matmuls, small enough that the diagonal block, half of it masked,
+    /// is a small share of the work.
     pub fn with_prefill_block(mut self, rows: usize) -> Self {
         self.prefill_block = rows;
         self
@@ -97,90 +119,119 @@ impl CachedAttention {
         self.backend
     }
 
-    /// Appends k and v to the cache, then attends q over it (see the type's docs).
+    /// Writes k and v into the cache `step` names, then attends q over it (see the type's docs
+    /// and [`AttentionStep`]).
     pub fn forward(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        cache: &mut KvCache,
+        step: AttentionStep<'_>,
     ) -> Result<Tensor> {
-        self.forward_inner(q, k, v, cache, false)
-    }
-
-    /// Like [`CachedAttention::forward`], for a few tokens being verified: on the CPU, each
-    /// token's row is computed exactly as a one-token step at its position would compute it,
-    /// so that verification sees the logits decoding would.
-    ///
-    /// The op cuts the cache into splits by its length; one call over all the tokens could cut
-    /// it elsewhere than a step for an earlier token does, and round differently. So the
-    /// tokens whose own lengths get the same cut share a call over the keys up to the last of
-    /// them (masked keys weigh exactly nothing): one call, or two where a cut moves.
-    pub fn forward_as_steps(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        self.forward_inner(q, k, v, cache, true)
-    }
-
-    /// Like [`CachedAttention::forward`], also returning the natural-log LSE `(b, h_q, t)` of the
-    /// split-KV op where it ran (decode steps and verification passes over uniform caches; see
-    /// [`crate::SplitKvAttention::forward_with_lse`]), `None` on the other paths (prompts, the
-    /// naive backend, ragged batches). The output is the one `forward` gives.
-    pub fn forward_with_lse(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        cache: &mut KvCache,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
-        if !(cache.is_uniform() && self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t))
-        {
-            return Ok((self.forward(q, k, v, cache)?, None));
+        let AttentionStep {
+            kv,
+            lse: lse_slot,
+            as_decode_steps,
+        } = step;
+        let want_lse = lse_slot.is_some();
+        let (out, lse) = match kv {
+            StepKv::Host(cache) => self.forward_host(q, k, v, cache, want_lse, as_decode_steps)?,
+            StepKv::Device(cache, lengths) => {
+                self.forward_device(q, k, v, cache, lengths, want_lse)?
+            }
+            StepKv::Paged { cache, layer, step } => {
+                self.forward_paged(q, k, v, (cache, layer, step), want_lse)?
+            }
+        };
+        if let Some(slot) = lse_slot {
+            *slot = lse;
         }
-        let scales = KvScales::of(cache);
-        let (k_all, v_all) = cache.append(k, v)?;
-        let (out, lse) =
-            self.op(scales)
-                .forward_with_lse(&op_query(q, k_all.dtype())?, &k_all, &v_all)?;
-        Ok((out.to_dtype(q.dtype())?, Some(lse)))
+        Ok(out)
     }
 
-    /// Like [`CachedAttention::forward`] for a step whose positions live in device memory (see
-    /// [`KvCache::append_at`]): `lengths.before` holds the cache's lengths, where the new keys
-    /// and values go, and `lengths.after` those lengths plus t, which the op masks each sequence
-    /// to. The op runs over the whole capacity, cut by each sequence's own length, so that the
-    /// launches do not change from one step to the next and a CUDA graph can replay them.
-    /// Split-KV backend, a supported head dim and at most
-    /// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) tokens only.
-    pub fn forward_at(
+    /// The one place that decides how a step of `t` tokens per sequence attends: the op for
+    /// the split-KV backend over a head dim it takes, the reference paths otherwise.
+    ///
+    /// Until the op takes prompts of any length, steps of more tokens than it takes fall back
+    /// to the blocked causal attention here (the `takes_query_tokens` test, to go with it).
+    fn route(&self, head_dim: usize, t: usize) -> Route {
+        let op_takes = crate::op::validate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
+            && crate::op::takes_query_tokens(t);
+        if self.backend == AttentionBackend::SplitKv && op_takes {
+            Route::Op
+        } else {
+            Route::Reference
+        }
+    }
+
+    /// A step after the cache's host-counted lengths.
+    fn forward_host(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        want_lse: bool,
+        as_decode_steps: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (batch, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
+        // The cache stores k and v in its own dtype (e.g. f16 under f32, or scaled fp8).
+        let scales = KvScales::of(cache);
+        let uniform = cache.is_uniform();
+        if self.route(head_dim, t) == Route::Op {
+            let past = cache.len();
+            let (k_all, v_all) = cache.append(k, v)?;
+            if !uniform {
+                // Sequences of different lengths: one call, each masked to its own length.
+                let op = self.op(scales).with_seqlens(cache.seq_lens_tensor()?);
+                return run_op(&op, q, &k_all, &v_all, want_lse);
+            }
+            if as_decode_steps && t > 1 && q.device().is_cpu() {
+                return self.split_kv_as_steps(q, &k_all, &v_all, past, scales, want_lse);
+            }
+            return run_op(&self.op(scales), q, &k_all, &v_all, want_lse);
+        }
+        if uniform {
+            let past = cache.len();
+            let (k_all, v_all) = cache.append(k, v)?;
+            return Ok((self.reference(q, &k_all, &v_all, past, scales)?, None));
+        }
+        // Sequence by sequence, each over its own cached prefix.
+        let outs = (0..batch)
+            .map(|seq| {
+                let past = cache.seq_lens()[seq];
+                let (k_all, v_all) =
+                    cache.append_to(seq, &k.narrow(0, seq, 1)?, &v.narrow(0, seq, 1)?)?;
+                self.reference(&q.narrow(0, seq, 1)?, &k_all, &v_all, past, scales)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((Tensor::cat(&outs, 0)?, None))
+    }
+
+    /// A step at lengths held in device memory (see [`AttentionStep::at`]).
+    fn forward_device(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         cache: &mut KvCache,
         lengths: &DeviceLengths,
-    ) -> Result<Tensor> {
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
-        if !(self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t)) {
+        if self.route(head_dim, t) != Route::Op {
             bail!(
-                "cached attention forward_at: needs the split-KV backend, a head dim in {:?} and \
-                 1 to {} tokens; got {:?}, head dim {head_dim}, {t} tokens",
+                "cached attention: a step at device lengths needs the split-KV backend, a head \
+                 dim in {:?} and a token count the op takes; got {:?}, head dim {head_dim}, {t} \
+                 tokens",
                 crate::SUPPORTED_HEAD_DIMS,
-                crate::MAX_QUERY_TOKENS,
                 self.backend
             )
         }
         let scales = KvScales::of(cache);
         let (k_all, v_all) = cache.append_at(k, v, &lengths.before)?;
-        self.op(scales)
-            .with_seqlens(lengths.after.clone())
-            .forward(&op_query(q, k_all.dtype())?, &k_all, &v_all)?
-            .to_dtype(q.dtype())
+        let op = self.op(scales).with_seqlens(lengths.after.clone());
+        run_op(&op, q, &k_all, &v_all, want_lse)
     }
 
     /// Checks q, k and v against each other and the cache; returns q's dims.
@@ -222,58 +273,16 @@ impl CachedAttention {
                 cache.batch()
             )
         }
-        if self.prefill_block == 0 {
-            bail!("cached attention: prefill_block must be at least 1")
-        }
-        crate::op::validate::check_window_and_softcap(self.window_left, self.softcap)?;
+        self.check_settings()?;
         Ok((batch, t, q_heads, head_dim))
     }
 
-    fn forward_inner(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        cache: &mut KvCache,
-        as_steps: bool,
-    ) -> Result<Tensor> {
-        let (batch, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
-        // The cache stores k and v in its own dtype (e.g. f16 under f32, or scaled fp8).
-        let scales = KvScales::of(cache);
-        if cache.is_uniform() {
-            let past = cache.len();
-            let (k_all, v_all) = cache.append(k, v)?;
-            if as_steps
-                && t > 1
-                && q.device().is_cpu()
-                && self.uses_split_kv(head_dim)
-                && crate::op::takes_query_tokens(t)
-            {
-                return self.split_kv_as_steps(q, &k_all, &v_all, past, scales);
-            }
-            return self.attend(q, &k_all, &v_all, past, scales);
+    /// Checks the settings every path applies.
+    fn check_settings(&self) -> Result<()> {
+        if self.prefill_block == 0 {
+            bail!("cached attention: prefill_block must be at least 1")
         }
-        if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) {
-            // Ragged decode (or verification of a few tokens): one op call, each sequence masked
-            // to its own length.
-            let (k_all, v_all) = cache.append(k, v)?;
-            let lens = cache.seq_lens_tensor()?;
-            return self
-                .op(scales)
-                .with_seqlens(lens)
-                .forward(&op_query(q, k_all.dtype())?, &k_all, &v_all)?
-                .to_dtype(q.dtype());
-        }
-        // Ragged prefill: sequence by sequence, each over its own cached prefix.
-        let outs = (0..batch)
-            .map(|seq| {
-                let past = cache.seq_lens()[seq];
-                let (k_all, v_all) =
-                    cache.append_to(seq, &k.narrow(0, seq, 1)?, &v.narrow(0, seq, 1)?)?;
-                self.attend(&q.narrow(0, seq, 1)?, &k_all, &v_all, past, scales)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&outs, 0)
+        crate::op::validate::check_window_and_softcap(self.window_left, self.softcap)
     }
 
     /// The split-KV op over q's t tokens `(b, t, h_q, d)` after `past` cached positions, in
@@ -285,7 +294,8 @@ impl CachedAttention {
         v_all: &Tensor,
         past: usize,
         scales: KvScales,
-    ) -> Result<Tensor> {
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let t = q.dim(1)?;
         let q_cache = op_query(q, k_all.dtype())?;
         let op = self.op(scales);
@@ -299,29 +309,29 @@ impl CachedAttention {
                 Ok((plan.num_splits > 1).then_some(plan.chunk_size))
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut outs = Vec::with_capacity(2);
+        let (mut outs, mut lses) = (Vec::with_capacity(2), Vec::with_capacity(2));
         let mut start = 0;
         while start < t {
             let end = (start..t).find(|&i| cuts[i] != cuts[start]).unwrap_or(t);
             let len = past + end;
-            let q_group = if start == 0 && end == t {
-                q_cache.clone()
-            } else {
-                q_cache.narrow(1, start, end - start)?.contiguous()?
-            };
-            outs.push(op.forward(
+            let q_group = q.narrow(1, start, end - start)?.contiguous()?;
+            let (out, lse) = run_op(
+                &op,
                 &q_group,
                 &k_all.narrow(1, 0, len)?,
                 &v_all.narrow(1, 0, len)?,
-            )?);
+                want_lse,
+            )?;
+            outs.push(out);
+            lses.extend(lse);
             start = end;
         }
-        let out = if outs.len() == 1 {
-            outs.remove(0)
+        let lse = if want_lse {
+            Some(Tensor::cat(&lses, 2)?)
         } else {
-            Tensor::cat(&outs, 1)?
+            None
         };
-        out.to_dtype(q.dtype())
+        Ok((Tensor::cat(&outs, 1)?, lse))
     }
 
     /// The split-KV op over K/V stored with `scales`.
@@ -332,7 +342,7 @@ impl CachedAttention {
             .with_softcap(self.softcap)
     }
 
-    /// What the prompt paths mask and cap besides causality.
+    /// What the reference paths mask and cap besides causality.
     fn score_mods(&self) -> ScoreMods {
         ScoreMods {
             window_left: self.window_left,
@@ -340,14 +350,9 @@ impl CachedAttention {
         }
     }
 
-    fn uses_split_kv(&self, head_dim: usize) -> bool {
-        self.backend == AttentionBackend::SplitKv
-            && crate::op::validate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
-    }
-
-    /// q `(b, t, h_q, d)` over all of `k_all`/`v_all` `(b, past + t, h_kv, d)`, stored with
-    /// `scales`, causally.
-    fn attend(
+    /// The reference path of the backend: q `(b, t, h_q, d)` over all of `k_all`/`v_all`
+    /// `(b, past + t, h_kv, d)`, stored with `scales`, causally.
+    fn reference(
         &self,
         q: &Tensor,
         k_all: &Tensor,
@@ -355,45 +360,39 @@ impl CachedAttention {
         past: usize,
         scales: KvScales,
     ) -> Result<Tensor> {
-        let (_, t, _, head_dim) = q.dims4()?;
+        let scale = (self.softmax_scale, scales);
         match self.backend {
-            AttentionBackend::SplitKv
-                if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) =>
-            {
-                // The op accumulates in f32 whatever the dtype.
-                self.op(scales)
-                    .forward(&op_query(q, k_all.dtype())?, k_all, v_all)?
-                    .to_dtype(q.dtype())
-            }
             AttentionBackend::SplitKv => blocked_causal(
                 q,
                 k_all,
                 v_all,
                 past,
-                (self.softmax_scale, scales),
+                scale,
                 self.score_mods(),
                 self.prefill_block,
             ),
-            AttentionBackend::Naive => naive(
-                q,
-                k_all,
-                v_all,
-                past,
-                (self.softmax_scale, scales),
-                self.score_mods(),
-            ),
+            AttentionBackend::Naive => naive(q, k_all, v_all, past, scale, self.score_mods()),
         }
     }
 }
 
-/// A step's cache lengths in device memory, u32 `(batch,)` tensors on the cache's device (see
-/// [`CachedAttention::forward_at`]).
-#[derive(Debug, Clone)]
-pub struct DeviceLengths {
-    /// Each sequence's cached length before the step: where its new tokens go.
-    pub before: Tensor,
-    /// Each sequence's length after the step: `before` plus the step's tokens.
-    pub after: Tensor,
+/// Runs `op` over q (cast for K/V's dtype), k and v; returns the output in q's dtype and, when
+/// wanted, the LSE. The op accumulates in f32 whatever the dtype.
+fn run_op(
+    op: &SplitKvAttention,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    want_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let q_op = op_query(q, k.dtype())?;
+    let (out, lse) = if want_lse {
+        let (out, lse) = op.forward_with_lse(&q_op, k, v)?;
+        (out, Some(lse))
+    } else {
+        (op.forward(&q_op, k, v)?, None)
+    };
+    Ok((out.to_dtype(q.dtype())?, lse))
 }
 
 /// A sliding window and soft-capping, as the prompt paths apply them to their score matrices.
@@ -678,7 +677,7 @@ mod tests {
             let v = Tensor::randn(0f32, 1.0, (b, t, h_kv, d), &dev)?;
             all_k.push(k.clone());
             all_v.push(v.clone());
-            let out = attn.forward(&q, &k, &v, &mut cache)?;
+            let out = attn.forward(&q, &k, &v, AttentionStep::new(&mut cache))?;
             let expected = reference(
                 &q,
                 &Tensor::cat(&all_k, 1)?,
@@ -713,7 +712,7 @@ mod tests {
                 before: Tensor::new(&[len, len], &dev)?,
                 after: Tensor::new(&[len + t as u32, len + t as u32], &dev)?,
             };
-            let out = attn.forward_at(&q, &k, &v, &mut cache, &lengths)?;
+            let out = attn.forward(&q, &k, &v, AttentionStep::at(&mut cache, &lengths))?;
             let expected = reference(
                 &q,
                 &Tensor::cat(&all_k, 1)?,
@@ -730,14 +729,16 @@ mod tests {
             before: Tensor::new(&[0u32, 0], &dev)?,
             after: Tensor::new(&[1u32, 1], &dev)?,
         };
-        let err = attn.forward_at(&q, &x, &x, &mut cache, &wrong).unwrap_err();
+        let err = attn
+            .forward(&q, &x, &x, AttentionStep::at(&mut cache, &wrong))
+            .unwrap_err();
         assert!(
             err.to_string().contains("differ from the cached lengths"),
             "{err}"
         );
         let naive = attn.with_backend(AttentionBackend::Naive);
         let err = naive
-            .forward_at(&q, &x, &x, &mut cache, &wrong)
+            .forward(&q, &x, &x, AttentionStep::at(&mut cache, &wrong))
             .unwrap_err();
         assert!(err.to_string().contains("split-KV backend"), "{err}");
         Ok(())
@@ -786,9 +787,9 @@ mod tests {
             let k = Tensor::randn(0f32, 4.0, (b, t, h_kv, d), &dev)?;
             let v = Tensor::randn(0f32, 2.0, (b, t, h_kv, d), &dev)?;
             let out = if as_steps {
-                attn.forward_as_steps(&q, &k, &v, &mut cache)?
+                attn.forward(&q, &k, &v, AttentionStep::new(&mut cache).as_decode_steps())?
             } else {
-                attn.forward(&q, &k, &v, &mut cache)?
+                attn.forward(&q, &k, &v, AttentionStep::new(&mut cache))?
             };
             let (k_all, v_all) = cache.views()?;
             assert_eq!(k_all.dtype(), DType::F8E4M3);
@@ -838,10 +839,11 @@ mod tests {
                 let q = Tensor::randn(0f32, 1.0, (2, t, h_q, d), &dev)?;
                 let k = Tensor::randn(0f32, 1.0, (2, t, h_kv, d), &dev)?;
                 let v = Tensor::randn(0f32, 1.0, (2, t, h_kv, d), &dev)?;
-                let out = attn.forward(&q, &k, &v, &mut batched)?;
+                let out = attn.forward(&q, &k, &v, AttentionStep::new(&mut batched))?;
                 for (seq, single) in singles.iter_mut().enumerate() {
                     let one = |x: &Tensor| x.narrow(0, seq, 1);
-                    let expected = attn.forward(&one(&q)?, &one(&k)?, &one(&v)?, single)?;
+                    let expected =
+                        attn.forward(&one(&q)?, &one(&k)?, &one(&v)?, AttentionStep::new(single))?;
                     let diff = max_abs_diff(&one(&out)?, &expected)?;
                     assert!(diff < 1e-6, "{backend:?} t {t} seq {seq}: diff {diff}");
                 }
@@ -864,9 +866,9 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (1, t, 4, 64), &dev)?;
             let k = Tensor::randn(0f32, 1.0, (1, t, 2, 64), &dev)?;
             let v = Tensor::randn(0f32, 1.0, (1, t, 2, 64), &dev)?;
-            let out = attn.forward(&q, &k, &v, &mut narrow)?;
+            let out = attn.forward(&q, &k, &v, AttentionStep::new(&mut narrow))?;
             assert_eq!(out.dtype(), DType::F32);
-            let expected = attn.forward(&q, &k, &v, &mut wide)?;
+            let expected = attn.forward(&q, &k, &v, AttentionStep::new(&mut wide))?;
             let diff = max_abs_diff(&out, &expected)?;
             assert!(diff < 5e-3, "t {t}: diff {diff}");
         }
@@ -880,7 +882,7 @@ mod tests {
         let q = Tensor::zeros((1, 3, 4, 64), DType::F32, &dev)?;
         let k = Tensor::zeros((1, 2, 2, 64), DType::F32, &dev)?;
         let err = CachedAttention::new(0.1)
-            .forward(&q, &k, &k, &mut cache)
+            .forward(&q, &k, &k, AttentionStep::new(&mut cache))
             .unwrap_err();
         assert!(
             err.to_string().contains("(batch, t, kv_heads, head_dim)"),
@@ -888,7 +890,7 @@ mod tests {
         );
         let q = Tensor::zeros((1, 2, 3, 64), DType::F32, &dev)?;
         assert!(CachedAttention::new(0.1)
-            .forward(&q, &k, &k, &mut cache)
+            .forward(&q, &k, &k, AttentionStep::new(&mut cache))
             .is_err());
         assert!(cache.is_empty());
         Ok(())

@@ -9,7 +9,7 @@ mod page_allocator;
 pub(crate) mod paged_cache;
 mod stored_kv;
 
-pub use attention::{AttentionBackend, CachedAttention, DeviceLengths};
+pub use attention::{AttentionBackend, AttentionStep, CachedAttention, DeviceLengths};
 pub use cache::{KvCache, KvCacheConfig};
 pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 pub use paged_cache::{PagedKvCache, PagedKvCacheConfig, PagedStep, SequenceId};

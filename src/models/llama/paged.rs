@@ -29,7 +29,8 @@ impl Llama {
     /// token per sequence is a decode step: every sequence's row is computed as
     /// [`Llama::forward`] computes a one-token step (on the CPU its logits match decoding the
     /// sequence alone to rounding), and attention is one call of the op over all of them.
-    /// Longer runs of tokens (a prompt) go through the prompt path, sequence by sequence.
+    /// Longer runs of tokens (prompts) go in chunks of [`Llama::prefill_chunk`] tokens per
+    /// sequence, each attending over the chunks before it.
     ///
     /// The model's own cache is neither read nor changed. On an error the sequences keep their
     /// lengths from before the call.
@@ -68,31 +69,58 @@ impl Llama {
                 self.context_length()
             )
         }
-        let step = cache.begin_step(ids, t)?;
-        let logits = (|| {
-            let rows = if t == 1 { Rows::AsDecode } else { Rows::BySize };
-            let input = Tensor::from_slice(tokens, (batch, t), &self.device)?;
-            let mut x = self.embed(&input)?;
-            let angles = self.rope.angles(&starts, t)?;
-            for (index, layer) in self.weights.layers.iter().enumerate() {
-                let attention = layer_attention(&self.attention, &self.config, index);
-                let kv = LayerKv::Paged {
-                    cache,
-                    layer: index,
-                    step: &step,
-                    rows,
-                };
-                x = layer.forward(&x, &angles, &attention, self.fused_decode, kv)?;
+        // A prompt goes in chunks of at most `prefill_chunk` tokens per sequence, each over the
+        // chunks before it.
+        let mut done = 0;
+        let logits = loop {
+            let n = self.prefill_chunk.min(t - done);
+            let chunk: Vec<u32> = (0..batch)
+                .flat_map(|s| &tokens[s * t + done..][..n])
+                .copied()
+                .collect();
+            let chunk_starts: Vec<usize> = starts.iter().map(|s| s + done).collect();
+            let logits = self.paged_pass(cache, ids, &chunk, (&chunk_starts, n));
+            done += n;
+            if logits.is_err() || done == t {
+                break logits;
             }
-            let last = x.narrow(1, t - 1, 1)?;
-            self.logits(&last, rows)?.reshape((batch, vocab))
-        })();
+        };
         if logits.is_err() {
             for (&id, &start) in ids.iter().zip(&starts) {
                 cache.truncate(id, start)?;
             }
         }
         logits
+    }
+
+    /// One pass of `t` tokens per sequence, `tokens` `(batch, t)` row-major, sequence `s`
+    /// starting at `starts[s]`: the f32 logits `(batch, vocab)` of each sequence's last token.
+    fn paged_pass(
+        &self,
+        cache: &mut PagedKvCache,
+        ids: &[SequenceId],
+        tokens: &[u32],
+        (starts, t): (&[usize], usize),
+    ) -> Result<Tensor> {
+        let batch = ids.len();
+        let step = cache.begin_step(ids, t)?;
+        let rows = if t == 1 { Rows::AsDecode } else { Rows::BySize };
+        let input = Tensor::from_slice(tokens, (batch, t), &self.device)?;
+        let mut x = self.embed(&input)?;
+        let angles = self.rope.angles(starts, t)?;
+        for (index, layer) in self.weights.layers.iter().enumerate() {
+            let attention = layer_attention(&self.attention, &self.config, index);
+            let kv = LayerKv::Paged {
+                cache,
+                layer: index,
+                step: &step,
+                rows,
+            };
+            x = layer.forward(&x, &angles, &attention, self.fused_decode, kv)?;
+        }
+        let last = x.narrow(1, t - 1, 1)?;
+        self.logits(&last, rows)?
+            .reshape((batch, self.config.vocab_size))
     }
 
     /// Checks that `cache` was made for this model.

@@ -1,32 +1,27 @@
-//! [`CachedAttention`] over one layer of a [`PagedKvCache`]: the step's keys and values are
-//! written into their pages, then a decode step (or a few tokens being verified) runs the op
-//! through the step's block table, every sequence of the batch in one call; a longer prompt
-//! runs the blocked causal attention over its sequence's pages gathered in order.
+//! [`CachedAttention`] over one layer of a [`PagedKvCache`] (see [`AttentionStep::paged`]): the
+//! step's keys and values are written into their pages, then the op attends every sequence of
+//! the batch through the step's block table in one call. The reference paths gather each
+//! sequence's pages in order.
+//!
+//! [`AttentionStep::paged`]: super::AttentionStep::paged
 
 use candle_core::{bail, Result, Tensor};
 
-use super::{op_query, CachedAttention, KvScales};
+use super::{run_op, CachedAttention, KvScales, Route};
 use crate::nn::paged_cache::{PagedKvCache, PagedStep};
 
 impl CachedAttention {
     /// Writes k and v of `step`'s new positions into layer `layer` of `cache`, then attends q
-    /// over each sequence as it stands after the step.
-    ///
-    /// - q: `(batch, t, q_heads, head_dim)`, k and v: `(batch, t, kv_heads, head_dim)`, after
-    ///   RoPE, with `batch` and `t` those of `step`; k and v are stored in the cache's dtype.
-    /// - output: `(batch, t, q_heads, head_dim)` in q's dtype.
-    ///
-    /// Token `i` of sequence `s` sits at position `len_s − t + i`, `len_s` its length after
-    /// the step, and attends causally as [`CachedAttention::forward`] does.
-    pub fn forward_paged(
+    /// over each sequence as it stands after the step. q, k and v hold the step's sequences of
+    /// its t tokens each.
+    pub(super) fn forward_paged(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        cache: &PagedKvCache,
-        layer: usize,
-        step: &PagedStep,
-    ) -> Result<Tensor> {
+        (cache, layer, step): (&PagedKvCache, usize, &PagedStep),
+        want_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let (batch, t, q_heads, head_dim) = q.dims4().map_err(|_| {
             candle_core::Error::Msg(format!(
                 "paged attention: q must be (batch, t, q_heads, head_dim), got {:?}",
@@ -51,23 +46,18 @@ impl CachedAttention {
                 c.kv_heads
             )
         }
-        if self.prefill_block == 0 {
-            bail!("paged attention: prefill_block must be at least 1")
-        }
-        crate::op::validate::check_window_and_softcap(self.window_left, self.softcap)?;
+        self.check_settings()?;
         cache.write(layer, step, &k.to_dtype(c.dtype)?, &v.to_dtype(c.dtype)?)?;
         // Pages hold keys and values as they are: no scales.
         let scales = KvScales { k: 1.0, v: 1.0 };
-        if self.uses_split_kv(head_dim) && crate::op::takes_query_tokens(t) {
+        if self.route(head_dim, t) == Route::Op {
             let (k_pages, v_pages) = cache.layer(layer)?;
-            return self
+            let op = self
                 .op(scales)
                 .with_block_table(step.block_table.clone())
-                .with_seqlens(step.seqlens.clone())
-                .forward(&op_query(q, c.dtype)?, &k_pages, &v_pages)?
-                .to_dtype(q.dtype());
+                .with_seqlens(step.seqlens.clone());
+            return run_op(&op, q, &k_pages, &v_pages, want_lse);
         }
-        // A prompt: sequence by sequence, over its pages gathered in order.
         let outs = step
             .ids()
             .iter()
@@ -75,9 +65,9 @@ impl CachedAttention {
             .map(|(s, &id)| {
                 let (k_all, v_all) = cache.sequence_kv(layer, id)?;
                 let past = k_all.dim(1)? - t;
-                self.attend(&q.narrow(0, s, 1)?, &k_all, &v_all, past, scales)
+                self.reference(&q.narrow(0, s, 1)?, &k_all, &v_all, past, scales)
             })
             .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&outs, 0)
+        Ok((Tensor::cat(&outs, 0)?, None))
     }
 }

@@ -68,15 +68,18 @@ struct PrefillParams {
 
 // The tile shape of a head dim. Rows per warp: 32 (two m-tiles) lets each K and V fragment read
 // from shared memory feed two products, which keeps `ldmatrix` traffic below the tensor cores'
-// rate; the query then is reloaded from shared memory per tile, except at D = 64 where it fits
-// in registers. At D = 256 the accumulator alone takes 128 registers, so warps hold one m-tile.
+// rate; the query is then reloaded from shared memory per tile, except at D = 64 where it fits
+// in registers. Keys per tile: 32 at D = 80..128, where a 64-key score tile beside the 128
+// accumulator registers of 32 rows would spill. At D = 256 the accumulator of 16 rows alone
+// takes 128 registers, so warps hold one m-tile.
 template <int D, int KV_BYTES> struct PrefillShape {
     static constexpr int kWarps = D <= 128 ? 4 : 8;
     static constexpr int kMTiles = D <= 128 ? 2 : 1;   // 16-row m-tiles per warp
-    static constexpr int kKeys = 64;                   // K/V positions per tile
+    static constexpr int kKeys = D <= 64 || D > 128 ? 64 : 32;  // K/V positions per tile
     static constexpr int kStages = 2;                  // K/V tiles in the ring
     static constexpr bool kQueryInRegisters = D <= 64;
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
+    static constexpr bool kPipelined = false;  // next tile's scores ahead of this one's softmax
 };
 
 // A kernel instance's features, as named flags: the base has none; the wrappers below add one
@@ -123,6 +126,7 @@ template <class Traits> struct PrefillTiling {
     static constexpr int kStages = Shape::kStages;
     static constexpr bool kQueryInRegisters = Shape::kQueryInRegisters;
     static constexpr int kMinCtasPerSm = Shape::kMinCtasPerSm;
+    static constexpr bool kPipelined = Shape::kPipelined;
     static constexpr int kQueryRowBytes = kHeadDim * 2;  // the products' operands are 16-bit
     static constexpr int kKvRowBytes = kHeadDim * (int)sizeof(typename Traits::KV);
     static constexpr int kQueryBytes = kRows * PaddedRows<kQueryRowBytes>::kStride;
@@ -303,29 +307,29 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
                 cp_async16_zfill(k_s + dst, valid ? k_src + j * kRowStep * k_row_bytes : k_base, valid);
                 cp_async16_zfill(v_s + dst, valid ? v_src + j * kRowStep * v_row_bytes : v_base, valid);
             }
-            return;
-        }
+        } else {
 #pragma unroll
-        for (int j = 0; j < LOADS; ++j) {
-            const int i = threadIdx.x + j * THREADS;
-            if (TILE_PIECES % THREADS != 0 && i >= TILE_PIECES) break;
-            const int r = i / KV_PIECES, c = i - (i / KV_PIECES) * KV_PIECES;
-            const unsigned dst = KvRows::offset(r, c);
-            const int pos = k0 + r;
-            const bool valid = pos < len;
-            long long k_at = 0, v_at = 0;
-            if constexpr (PAGED) {
-                if (valid) {
-                    const PagedRow at = prefill_paged_row(p, pages, pos);
-                    k_at = at.page * k_outer_bytes + (long long)at.row * k_row_bytes;
-                    v_at = at.page * v_outer_bytes + (long long)at.row * v_row_bytes;
+            for (int j = 0; j < LOADS; ++j) {
+                const int i = threadIdx.x + j * THREADS;
+                if (TILE_PIECES % THREADS != 0 && i >= TILE_PIECES) break;
+                const int r = i / KV_PIECES, c = i - (i / KV_PIECES) * KV_PIECES;
+                const unsigned dst = KvRows::offset(r, c);
+                const int pos = k0 + r;
+                const bool valid = pos < len;
+                long long k_at = 0, v_at = 0;
+                if constexpr (PAGED) {
+                    if (valid) {
+                        const PagedRow at = prefill_paged_row(p, pages, pos);
+                        k_at = at.page * k_outer_bytes + (long long)at.row * k_row_bytes;
+                        v_at = at.page * v_outer_bytes + (long long)at.row * v_row_bytes;
+                    }
+                } else if (valid) {
+                    k_at = (long long)pos * k_row_bytes;
+                    v_at = (long long)pos * v_row_bytes;
                 }
-            } else if (valid) {
-                k_at = (long long)pos * k_row_bytes;
-                v_at = (long long)pos * v_row_bytes;
+                cp_async16_zfill(k_s + dst, k_base + k_at + c * 16, valid);
+                cp_async16_zfill(v_s + dst, v_base + v_at + c * 16, valid);
             }
-            cp_async16_zfill(k_s + dst, k_base + k_at + c * 16, valid);
-            cp_async16_zfill(v_s + dst, v_base + v_at + c * 16, valid);
         }
     };
 
@@ -408,24 +412,9 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
         }
     const float exp_scale = WINDOWED ? 1.f : p.scale_log2;
 
-    int slot = 0;
-    for (int it = 0; it < count; ++it) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
-        {
-            const int next = it + STAGES - 1;
-            if (next < count) load_tile(next % STAGES, hi - 1 - next);
-            cp_async_commit();
-        }
-        const unsigned k_s = ring_smem + slot * Cfg::kStageBytes;
-        const unsigned v_s = k_s + Cfg::kKvTileBytes;
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
-        const int k0 = (hi - 1 - it) * N;
-        if (!(k0 < warp_end && k0 + N > warp_begin)) continue;  // no row of this warp sees it
-
-        // S = Q · Kᵀ. s[mt][nt][j]: row quad_row (+8 for j >= 2) of m-tile mt, key
-        // k0 + nt*8 + quad_col*2 + (j&1).
-        float s[MT][SN][4];
+    // S = Q · Kᵀ for the tile in stage `k_s`. s[mt][nt][j]: row quad_row (+8 for j >= 2) of
+    // m-tile mt, key k0 + nt*8 + quad_col*2 + (j&1).
+    auto score_tile = [&](float (&s)[MT][SN][4], unsigned k_s) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -505,6 +494,11 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
             }
         }
 
+    };
+
+    // Mask, soft-cap, the online softmax and O += P · V for the tile of keys from k0 whose
+    // scores are s and whose V sits at `v_s`.
+    auto attend_tile = [&](float (&s)[MT][SN][4], int k0, unsigned v_s) {
         // Masks: only on tiles that not every row of the warp sees whole.
         const bool masked = k0 + N > warp_full_end || (WINDOWED && k0 < warp_full_begin);
         if (masked) {
@@ -642,6 +636,52 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
                     }
                 }
             }
+        }
+    };
+
+    // The tile of this split's it-th step: keys from tile_key(it), in ring stage stage(it).
+    auto tile_key = [&](int it) { return (hi - 1 - it) * N; };
+    auto stage = [&](int it) { return ring_smem + (it % STAGES) * Cfg::kStageBytes; };
+    auto warp_sees = [&](int k0) { return k0 < warp_end && k0 + N > warp_begin; };
+    if constexpr (!Cfg::kPipelined) {
+        for (int it = 0; it < count; ++it) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
+            if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
+            cp_async_commit();
+            const int k0 = tile_key(it);
+            if (!warp_sees(k0)) continue;  // no row of this warp sees the tile
+            float s[MT][SN][4];
+            score_tile(s, stage(it));
+            attend_tile(s, k0, stage(it) + Cfg::kKvTileBytes);
+        }
+    } else {
+        // The score product of the next tile is issued before the softmax of this one, so the
+        // tensor cores work through it while the softmax runs. Tiles it and it + 1 are resident
+        // at once: a tile's slot is refilled one step later than above.
+        static_assert(STAGES >= 3, "the pipelined loop holds two tiles and fills a third");
+        float s[MT][SN][4];
+        if (count > 0) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            if (warp_sees(tile_key(0))) score_tile(s, stage(0));
+        }
+        for (int it = 0; it < count; ++it) {
+            float next[MT][SN][4];
+            if (it + 1 < count) {
+                cp_async_wait<STAGES - 3>();
+                __syncthreads();  // tile it + 1 visible; the slot of tile it - 1 free
+                if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
+                cp_async_commit();
+                if (warp_sees(tile_key(it + 1))) score_tile(next, stage(it + 1));
+            }
+            if (warp_sees(tile_key(it))) attend_tile(s, tile_key(it), stage(it) + Cfg::kKvTileBytes);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) s[mt][nt][j] = next[mt][nt][j];
         }
     }
     cp_async_wait<0>();  // no copy outstanding at exit

@@ -2,7 +2,8 @@
 // mma.sync m16n8k16, sm_80 and later): FlashAttention-2's forward pass over a KV cache whose last
 // t positions are the query tokens. Query token i of a sequence of `len` positions sees keys
 // [begin_i, end_i) with end_i = len - t + 1 + i (the mask aligned to the end of the cache) and
-// begin_i = 0, or end_i - 1 - window_left with a sliding window.
+// begin_i = 0, or end_i - 1 - window_left with a sliding window; a token that sees no key gets
+// zeros and an LSE of -inf.
 //
 // Work: one CTA per (query tile, batch, kv head, split). A query tile is kRows query rows of one
 // kv head, where row r of a (batch, kv head) is query token r / group of its query head
@@ -19,8 +20,8 @@
 //                                           `ldmatrix.trans`
 // with the running max and sum of each row in registers, base-2 exponentials with log2(e) folded
 // into the scale, and O rescaled only when some row's max moves. A warp skips the product of a
-// tile none of its rows sees. Rows are 16-byte pieces XOR-swizzled so that `ldmatrix` reads
-// are free of bank conflicts: rows are padded to an odd number of 16-byte pieces.
+// tile none of its rows sees. Shared-memory rows are padded to an odd number of 16-byte pieces,
+// so that `ldmatrix` reads are free of bank conflicts.
 //
 // Splits: when the query tiles are too few to fill the GPU (a short chunk after a long past),
 // the host cuts each tile's K/V range into num_splits; each split writes its normalised partial
@@ -30,6 +31,9 @@
 // the query is staged in shared memory as f16, its dims permuted within each k-step to the
 // order in which a lane holds a key's bytes, and the value product's accumulator columns are
 // put back in order when stored.
+//
+// The host guarantees: q_heads % kv_heads == 0; q, k and v rows 16-byte aligned (base pointers
+// and strides); K/V row strides × kKeys below 2^31 bytes; scale_log2 > 0; the output contiguous.
 #pragma once
 
 #include "common.cuh"
@@ -72,14 +76,13 @@ struct PrefillParams {
 // in registers. Keys per tile: 32 at D = 80..128, where a 64-key score tile beside the 128
 // accumulator registers of 32 rows would spill. At D = 256 the accumulator of 16 rows alone
 // takes 128 registers, so warps hold one m-tile.
-template <int D, int KV_BYTES> struct PrefillShape {
+template <int D> struct PrefillShape {
     static constexpr int kWarps = D <= 128 ? 4 : 8;
     static constexpr int kMTiles = D <= 128 ? 2 : 1;   // 16-row m-tiles per warp
     static constexpr int kKeys = D <= 64 || D > 128 ? 64 : 32;  // K/V positions per tile
     static constexpr int kStages = 2;                  // K/V tiles in the ring
     static constexpr bool kQueryInRegisters = D <= 64;
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
-    static constexpr bool kPipelined = false;  // next tile's scores ahead of this one's softmax
 };
 
 // A kernel instance's features, as named flags: the base has none; the wrappers below add one
@@ -91,7 +94,7 @@ template <typename Elem, typename KvElem, int HeadDim> struct PrefillTraits {
     static constexpr int kHeadDim = HeadDim;
     static constexpr bool kPaged = false;     // K/V in a page pool read through a block table
     static constexpr bool kWindowed = false;  // sliding window and soft-capping
-    using Shape = PrefillShape<HeadDim, (int)sizeof(KvElem)>;
+    using Shape = PrefillShape<HeadDim>;
 };
 
 template <class Base> struct PrefillPaged : Base {
@@ -126,7 +129,6 @@ template <class Traits> struct PrefillTiling {
     static constexpr int kStages = Shape::kStages;
     static constexpr bool kQueryInRegisters = Shape::kQueryInRegisters;
     static constexpr int kMinCtasPerSm = Shape::kMinCtasPerSm;
-    static constexpr bool kPipelined = Shape::kPipelined;
     static constexpr int kQueryRowBytes = kHeadDim * 2;  // the products' operands are 16-bit
     static constexpr int kKvRowBytes = kHeadDim * (int)sizeof(typename Traits::KV);
     static constexpr int kQueryBytes = kRows * PaddedRows<kQueryRowBytes>::kStride;
@@ -183,18 +185,15 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
 // Sixteen query elements as f16 (saturated), in the order fp8 keys hold their dims: k-step
 // column 2c, 2c+1 ← dims 4c, 4c+1 and 2c+8, 2c+9 ← dims 4c+2, 4c+3 (see the decode kernel).
 template <typename T> __device__ __forceinline__ void permuted_f16_kstep(const T* src, uint4 (&dst)[2]) {
-    float f[16];
-    load8(src, *reinterpret_cast<float(*)[8]>(f));
-    load8(src + 8, *reinterpret_cast<float(*)[8]>(f + 8));
+    float lo[8], hi[8];
+    load8(src, lo);
+    load8(src + 8, hi);
+    auto dim = [&](int i) { return fminf(fmaxf(i < 8 ? lo[i] : hi[i - 8], -65504.f), 65504.f); };
     uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-        const float a = fminf(fmaxf(f[4 * c], -65504.f), 65504.f);
-        const float b = fminf(fmaxf(f[4 * c + 1], -65504.f), 65504.f);
-        const float x = fminf(fmaxf(f[4 * c + 2], -65504.f), 65504.f);
-        const float y = fminf(fmaxf(f[4 * c + 3], -65504.f), 65504.f);
-        out[c] = TensorCore<__half>::pack(a, b);
-        out[4 + c] = TensorCore<__half>::pack(x, y);
+        out[c] = TensorCore<__half>::pack(dim(4 * c), dim(4 * c + 1));
+        out[4 + c] = TensorCore<__half>::pack(dim(4 * c + 2), dim(4 * c + 3));
     }
 }
 
@@ -271,7 +270,7 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
 
     // K/V tile loads: the CTA's threads copy the tile's 16-byte pieces, consecutive threads on
     // consecutive pieces of a row; positions past the sequence are zero-filled, never read.
-    // Row strides times kKeys stay below 2^31 bytes (the host checks): offsets within a tile are 32-bit.
+    // Row strides in 32 bits: a tile's rows span less than 2^31 bytes (see the top).
     const int k_row_bytes = static_cast<int>(p.k_seq_stride * (long long)sizeof(KV));
     const int v_row_bytes = static_cast<int>(p.v_seq_stride * (long long)sizeof(KV));
     const long long k_outer_bytes = p.k_batch_stride * (long long)sizeof(KV);  // batch or page
@@ -639,50 +638,20 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
         }
     };
 
-    // The tile of this split's it-th step: keys from tile_key(it), in ring stage stage(it).
-    auto tile_key = [&](int it) { return (hi - 1 - it) * N; };
-    auto stage = [&](int it) { return ring_smem + (it % STAGES) * Cfg::kStageBytes; };
-    auto warp_sees = [&](int k0) { return k0 < warp_end && k0 + N > warp_begin; };
-    if constexpr (!Cfg::kPipelined) {
-        for (int it = 0; it < count; ++it) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
-            if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
-            cp_async_commit();
-            const int k0 = tile_key(it);
-            if (!warp_sees(k0)) continue;  // no row of this warp sees the tile
-            float s[MT][SN][4];
-            score_tile(s, stage(it));
-            attend_tile(s, k0, stage(it) + Cfg::kKvTileBytes);
-        }
-    } else {
-        // The score product of the next tile is issued before the softmax of this one, so the
-        // tensor cores work through it while the softmax runs. Tiles it and it + 1 are resident
-        // at once: a tile's slot is refilled one step later than above.
-        static_assert(STAGES >= 3, "the pipelined loop holds two tiles and fills a third");
+    // Step `it` of this split streams key tile hi - 1 - it from ring stage it % STAGES.
+    int slot = 0;
+    for (int it = 0; it < count; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
+        if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
+        cp_async_commit();
+        const unsigned k_s = ring_smem + slot * Cfg::kStageBytes;
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+        const int k0 = (hi - 1 - it) * N;
+        if (k0 >= warp_end || k0 + N <= warp_begin) continue;  // no row of this warp sees it
         float s[MT][SN][4];
-        if (count > 0) {
-            cp_async_wait<STAGES - 2>();
-            __syncthreads();
-            if (warp_sees(tile_key(0))) score_tile(s, stage(0));
-        }
-        for (int it = 0; it < count; ++it) {
-            float next[MT][SN][4];
-            if (it + 1 < count) {
-                cp_async_wait<STAGES - 3>();
-                __syncthreads();  // tile it + 1 visible; the slot of tile it - 1 free
-                if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
-                cp_async_commit();
-                if (warp_sees(tile_key(it + 1))) score_tile(next, stage(it + 1));
-            }
-            if (warp_sees(tile_key(it))) attend_tile(s, tile_key(it), stage(it) + Cfg::kKvTileBytes);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) s[mt][nt][j] = next[mt][nt][j];
-        }
+        score_tile(s, k_s);
+        attend_tile(s, k0, k_s + Cfg::kKvTileBytes);
     }
     cp_async_wait<0>();  // no copy outstanding at exit
 

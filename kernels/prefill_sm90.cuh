@@ -23,9 +23,11 @@
 // 64-dim column blocks (kernels/wgmma.cuh), then the mbarriers; the host passes kSmemBytes
 // (which includes 1 KB of slack for aligning the tiles to 1024 bytes).
 //
-// The host guarantees what kernels/prefill.cuh lists, launches kThreads threads per CTA, one
-// CTA per (query tile of kRows rows, batch, kv head, split) in the order prefill.cuh describes,
-// and raises the kernel's dynamic shared-memory limit to kSmemBytes.
+// Build: the sm_90a target (-gencode=arch=compute_90a,code=sm_90a); the wrapper kernel carries
+// __launch_bounds__(kThreads, 1), which setmaxnreg needs. The host guarantees what
+// kernels/prefill.cuh lists, launches kThreads threads per CTA, one CTA per (query tile of kRows
+// rows, batch, kv head, split) in the order prefill.cuh describes (one CTA fits an SM), and
+// raises the kernel's dynamic shared-memory limit to kSmemBytes.
 #pragma once
 
 #include "prefill.cuh"

@@ -12,6 +12,11 @@
 // ...). Each tile starts 1024-byte aligned.
 #pragma once
 
+// wgmma and setmaxnreg exist on the architecture-specific target only.
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "wgmma.cuh needs the sm_90a target: -gencode=arch=compute_90a,code=sm_90a"
+#endif
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>

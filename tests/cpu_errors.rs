@@ -95,15 +95,9 @@ fn non_contiguous_last_dim() -> Result<()> {
 }
 
 #[test]
-fn query_tokens_out_of_range() -> Result<()> {
+fn query_tokens_at_least_one() -> Result<()> {
     let (q, k, v) = qkv((1, 0, 8, 64), (1, 16, 8, 64))?;
     expect_error(flash_decode(&q, &k, &v, 1.0), "q_len = 0");
-    let too_many = candle_splitkv::MAX_QUERY_TOKENS + 1;
-    let (q, k, v) = qkv((1, too_many, 8, 64), (1, 64, 8, 64))?;
-    expect_error(
-        flash_decode(&q, &k, &v, 1.0),
-        &format!("q_len = {too_many}"),
-    );
     Ok(())
 }
 

@@ -48,16 +48,72 @@ struct Form {
     #[serde(default)]
     kv_dtypes: Vec<String>,
     #[serde(default)]
-    head_dims: bool,
+    head_dims: HeadDims,
     #[serde(default)]
     groups: Vec<usize>,
     threads: String,
     smem: String,
     cluster_smem: Option<String>,
+    /// Query rows and K/V positions of one CTA's tile, for forms whose grid the host sizes by
+    /// them (C++ expressions, as `threads`).
+    tile_rows: Option<String>,
+    tile_keys: Option<String>,
     #[serde(default)]
-    min_ctas_per_sm: u32,
+    min_ctas_per_sm: MinCtas,
     #[serde(default)]
     min_compute_cap: u32,
+    /// An architecture-specific target such as "90a": the form is compiled for it alone, and
+    /// only in a build whose compute capability is that architecture.
+    arch: Option<String>,
+}
+
+/// The head dims a form is instantiated at: `true` for every one the op takes, or a list.
+#[derive(Deserialize, Default)]
+#[serde(untagged)]
+enum HeadDims {
+    #[default]
+    None,
+    All(bool),
+    Only(Vec<usize>),
+}
+
+/// The second argument of `__launch_bounds__`: a count, or a C++ expression of the instance.
+#[derive(Deserialize, Default)]
+#[serde(untagged)]
+enum MinCtas {
+    #[default]
+    Unbounded,
+    Count(u32),
+    Expr(String),
+}
+
+impl MinCtas {
+    fn expr(&self) -> Option<String> {
+        match self {
+            MinCtas::Unbounded | MinCtas::Count(0) => None,
+            MinCtas::Count(n) => Some(n.to_string()),
+            MinCtas::Expr(e) => Some(e.clone()),
+        }
+    }
+}
+
+impl Form {
+    fn has_head_dims(&self) -> bool {
+        !matches!(self.head_dims, HeadDims::None | HeadDims::All(false))
+    }
+
+    /// Whether a build for compute capability `cap` compiles this form.
+    fn built_for(&self, cap: u32) -> bool {
+        match &self.arch {
+            Some(arch) => arch.trim_end_matches(char::is_alphabetic).parse() == Ok(cap),
+            None => cap >= self.min_compute_cap,
+        }
+    }
+
+    /// The nvcc virtual architecture of its module: `compute_90a`, or the build's target.
+    fn target(&self, compute_cap: &str) -> String {
+        format!("compute_{}", self.arch.as_deref().unwrap_or(compute_cap))
+    }
 }
 
 #[derive(Deserialize)]
@@ -107,7 +163,8 @@ fn write_limits(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     let code = format!(
         "/// Head dimensions the kernels are built for (`kernels/kernels.toml`).\n\
          pub const SUPPORTED_HEAD_DIMS: [usize; {}] = [{}];\n\
-         /// Most query tokens per sequence in one call (`kernels/kernels.toml`).\n\
+         /// Most query tokens per sequence the decode kernels take (`kernels/kernels.toml`); on \
+         CUDA, calls\n/// with more run the prefill kernels.\n\
          pub const MAX_QUERY_TOKENS: usize = {};\n",
         dims.len(),
         list.join(", "),
@@ -209,15 +266,22 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     for (module, members) in &modules {
         let source = gen_dir.join(format!("{module}.cu"));
         write(&source, &module_source(members)?)?;
-        jobs.push((source, out_dir.join(format!("{module}.ptx"))));
+        let target = members[0].form.target(&compute_cap);
+        jobs.push((source, out_dir.join(format!("{module}.ptx")), target));
     }
     // The table source: resource sizes, layouts and constants as globals the PTX spells out.
     let table_source = gen_dir.join("table.cu");
     let (table_code, layouts) = table_source_code(spec, &instances)?;
     write(&table_source, &table_code)?;
     let table_ptx = gen_dir.join("table.ptx");
-    jobs.push((table_source, table_ptx.clone()));
-    compile_all(&nvcc, &compute_cap, &jobs)?;
+    // The table includes every compiled form's header, so it takes an architecture-specific
+    // target where some form has one.
+    let table_target = instances
+        .iter()
+        .find(|i| i.form.arch.is_some())
+        .map_or_else(|| format!("compute_{compute_cap}"), |i| i.form.target(&compute_cap));
+    jobs.push((table_source, table_ptx.clone(), table_target));
+    compile_all(&nvcc, &jobs)?;
 
     let values = ptx_globals(&table_ptx)?;
     let code = rust_table(spec, &instances, &modules, &layouts, &values)?;
@@ -228,11 +292,11 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
 
 fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
     let mut all = Vec::new();
-    for form in spec.form.iter().filter(|f| cap >= f.min_compute_cap) {
-        let dims: Vec<Option<usize>> = if form.head_dims {
-            spec.head_dims.iter().copied().map(Some).collect()
-        } else {
-            vec![None]
+    for form in spec.form.iter().filter(|f| f.built_for(cap)) {
+        let dims: Vec<Option<usize>> = match &form.head_dims {
+            HeadDims::All(true) => spec.head_dims.iter().copied().map(Some).collect(),
+            HeadDims::Only(list) => list.iter().copied().map(Some).collect(),
+            HeadDims::None | HeadDims::All(false) => vec![None],
         };
         let groups: Vec<Option<usize>> = if form.groups.is_empty() {
             vec![None]
@@ -271,7 +335,7 @@ fn wrapper_params(form: &Form) -> String {
     if !form.kv_dtypes.is_empty() {
         params.push("typename KV");
     }
-    if form.head_dims {
+    if form.has_head_dims() {
         params.push("int D");
     }
     if !form.groups.is_empty() {
@@ -288,11 +352,18 @@ fn wrapper_struct(form: &Form) -> String {
         .as_deref()
         .map(|e| format!("    static constexpr int kClusterSmemBytes = ({e});\n"))
         .unwrap_or_default();
+    let optional = |name: &str, expr: Option<&str>| {
+        expr.map(|e| format!("    static constexpr int {name} = ({e});\n"))
+            .unwrap_or_default()
+    };
+    let tile = optional("kTileRows", form.tile_rows.as_deref())
+        + &optional("kTileKeys", form.tile_keys.as_deref())
+        + &optional("kMinCtasPerSm", form.min_ctas_per_sm.expr().as_deref());
     format!(
         "namespace forms {{\ntemplate <{params}> struct {name} {{\n\
          \x20   static constexpr int kThreadsPerCta = ({threads});\n\
          \x20   static constexpr int kSmemBytes = ({smem});\n\
-         {cluster}\
+         {cluster}{tile}\
          \x20   static __device__ __forceinline__ void run(const {p}& p) {{ {kernel}(p); }}\n\
          }};\n}}  // namespace forms\n",
         params = wrapper_params(form),
@@ -322,9 +393,9 @@ fn module_source(members: &[&Instance]) -> Result<String, String> {
     }
     for inst in members {
         let wrapper = inst.wrapper()?;
-        let bounds = match inst.form.min_ctas_per_sm {
-            0 => format!("{wrapper}::kThreadsPerCta"),
-            n => format!("{wrapper}::kThreadsPerCta, {n}"),
+        let bounds = match inst.form.min_ctas_per_sm.expr() {
+            None => format!("{wrapper}::kThreadsPerCta"),
+            Some(_) => format!("{wrapper}::kThreadsPerCta, {wrapper}::kMinCtasPerSm"),
         };
         writeln!(
             code,
@@ -346,7 +417,13 @@ struct Layout {
 fn table_source_code(spec: &Spec, instances: &[Instance]) -> Result<(String, Vec<Layout>), String> {
     let mut code =
         String::from("// Generated by build.rs from kernels/kernels.toml.\n#include <cstddef>\n");
-    let mut headers: Vec<&str> = spec.form.iter().map(|f| f.header.as_str()).collect();
+    // The forms this build compiles: an architecture-specific form's header refuses other targets.
+    let built: Vec<&Form> = spec
+        .form
+        .iter()
+        .filter(|f| instances.iter().any(|i| std::ptr::eq(i.form, *f)))
+        .collect();
+    let mut headers: Vec<&str> = built.iter().map(|f| f.header.as_str()).collect();
     headers.extend(spec.params.iter().map(|p| p.header.as_str()));
     headers.extend(spec.constants.iter().map(|c| c.header.as_str()));
     headers.sort();
@@ -354,7 +431,7 @@ fn table_source_code(spec: &Spec, instances: &[Instance]) -> Result<(String, Vec
     for h in headers {
         writeln!(code, "#include \"{h}\"").unwrap();
     }
-    for form in &spec.form {
+    for form in &built {
         code.push_str(&wrapper_struct(form));
     }
     let global = |code: &mut String, name: &str, expr: &str| {
@@ -382,6 +459,20 @@ fn table_source_code(spec: &Spec, instances: &[Instance]) -> Result<(String, Vec
                 &mut code,
                 &format!("{sym}__cluster_smem"),
                 &format!("{w}::kClusterSmemBytes"),
+            );
+        }
+        if inst.form.tile_rows.is_some() {
+            global(
+                &mut code,
+                &format!("{sym}__tile_rows"),
+                &format!("{w}::kTileRows"),
+            );
+        }
+        if inst.form.tile_keys.is_some() {
+            global(
+                &mut code,
+                &format!("{sym}__tile_keys"),
+                &format!("{w}::kTileKeys"),
             );
         }
     }
@@ -550,17 +641,22 @@ fn rust_table(
     );
     for inst in instances {
         let sym = inst.symbol();
-        let cluster = if inst.form.cluster_smem.is_some() {
-            value(&format!("{sym}__cluster_smem"))?
-        } else {
-            0
+        let optional = |present: bool, what: &str| -> Result<i64, String> {
+            if present {
+                value(&format!("{sym}__{what}"))
+            } else {
+                Ok(0)
+            }
         };
+        let cluster = optional(inst.form.cluster_smem.is_some(), "cluster_smem")?;
+        let tile_rows = optional(inst.form.tile_rows.is_some(), "tile_rows")?;
+        let tile_keys = optional(inst.form.tile_keys.is_some(), "tile_keys")?;
         writeln!(
             code,
             "    KernelSpec {{ form: KernelForm::{form}, dtype: candle_core::DType::{dtype}, \
              kv_dtype: candle_core::DType::{kv}, head_dim: {d}, group: {g}, symbol: \"{sym}\", \
              module: \"{module}\", ptx: PTX_{upper}, threads: {threads}, smem_bytes: {smem}, \
-             cluster_smem_bytes: {cluster} }},",
+             cluster_smem_bytes: {cluster}, tile_rows: {tile_rows}, tile_keys: {tile_keys} }},",
             form = inst.form.name,
             dtype = inst.dtype.to_uppercase(),
             kv = inst.kv_dtype_variant(),
@@ -665,12 +761,12 @@ fn ptx_globals(ptx: &Path) -> Result<BTreeMap<String, i64>, String> {
     Ok(values)
 }
 
-/// Runs nvcc on every (source, ptx) pair at once.
-fn compile_all(nvcc: &Path, compute_cap: &str, jobs: &[(PathBuf, PathBuf)]) -> Result<(), String> {
-    let spawn = |source: &Path, ptx: &Path| -> Result<Child, String> {
+/// Runs nvcc on every (source, ptx, virtual architecture) at once.
+fn compile_all(nvcc: &Path, jobs: &[(PathBuf, PathBuf, String)]) -> Result<(), String> {
+    let spawn = |source: &Path, ptx: &Path, target: &str| -> Result<Child, String> {
         Command::new(nvcc)
             .arg("--ptx")
-            .arg(format!("--gpu-architecture=compute_{compute_cap}"))
+            .arg(format!("--gpu-architecture={target}"))
             .args(["-O3", "-std=c++17", "-Werror", "all-warnings"])
             .arg("-I")
             .arg(KERNEL_DIR)
@@ -684,7 +780,7 @@ fn compile_all(nvcc: &Path, compute_cap: &str, jobs: &[(PathBuf, PathBuf)]) -> R
     };
     let children = jobs
         .iter()
-        .map(|(source, ptx)| spawn(source, ptx).map(|c| (source, c)))
+        .map(|(source, ptx, target)| spawn(source, ptx, target).map(|c| (source, c)))
         .collect::<Result<Vec<_>, _>>()?;
     let mut failures = String::new();
     for (source, child) in children {

@@ -1,244 +1,224 @@
-//! Times prefill attention on the CPU: t new tokens after `past` cached ones, causal, through the
-//! split-KV op, through the attention layer's blocked causal path (what `CachedAttention` runs
-//! for a prompt), and through candle-nn's CPU flash attention. One JSON line per point.
+//! Times the op at many query tokens per sequence (causal prefill over a past, and the few-token
+//! calls around the decode forms' range) on a CUDA device: one JSON line per point,
 //!
-//! ```text
-//! cargo run --release --example bench_prefill
-//! cargo run --release --example bench_prefill -- --heads 32:8:128 --t 512,2048 --past 0,4096
-//! ```
+//! `{"kind":"ours","backend":"splitkv","dtype":"bfloat16","kv_dtype":"bfloat16","b":1,"hq":32,
+//!   "hk":8,"d":128,"t":4096,"past":0,"ms":..,"tflops":..,"form":".."}`
 //!
-//! Each repetition runs every backend once, in turn, so that the ratios come from one run on a
-//! noisy machine; the median of `--reps` repetitions is reported. The op and the blocked path
-//! read the same head-major cache (the op through its strided views); candle-nn's kernel reads a
-//! contiguous copy made outside the timing. TFLOP/s count the causal part only:
-//! 4 · d · h_q · (the keys each query sees, summed).
-
-use std::time::Instant;
-
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use candle_nn::attention::AttnMask;
-use candle_splitkv::{CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
-use clap::Parser;
-use serde_json::json;
+//! with causal FLOPs = 4 · d · h_q · Σ (keys each query sees), timed with CUDA events after a
+//! warm-up, the median of `--reps` repetitions; `form` is the kernel the op picked ("decode", or
+//! the prefill instance). `--peer-shapes` prints the grid as the `b,hq,hk,t,past,d;...` list
+//! that peer-library scripts take, and exits.
+//!
+//!     cargo run --release --features cuda --example bench_prefill
+//!     cargo run --release --features cuda --example bench_prefill -- --shapes "1,32,8,4096,0,128"
 
 #[path = "common/timing.rs"]
 mod timing;
-use timing::median;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use clap::Parser;
 
 #[derive(Parser, Debug)]
-#[command(about = "Benchmark prefill attention on the CPU")]
+#[command(about = "Times split-kv attention at many query tokens on a CUDA device")]
 struct Args {
-    /// Head configs as q_heads:kv_heads:head_dim (default 9:3:64, the default model's).
-    #[arg(long, value_delimiter = ',', default_value = "9:3:64")]
-    heads: Vec<String>,
-    /// New tokens per sequence.
-    #[arg(long, value_delimiter = ',', default_value = "512,2048,4096")]
-    t: Vec<usize>,
-    /// Cached tokens before them.
-    #[arg(long, value_delimiter = ',', default_value = "0,2048")]
-    past: Vec<usize>,
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
-    /// Timed repetitions per point; the median is reported.
-    #[arg(long, default_value_t = 5)]
+    /// Points as `b,hq,hk,t,past,d` separated by `;` (default: the built-in grid).
+    #[arg(long)]
+    shapes: Option<String>,
+    /// Query dtypes: any of bf16, f16.
+    #[arg(long, value_delimiter = ',', default_values_t = ["bf16".to_string(), "f16".to_string()])]
+    dtypes: Vec<String>,
+    /// Also time every point with fp8 (e4m3) K/V (the grid's own fp8 points run regardless).
+    #[arg(long)]
+    fp8: bool,
+    /// Timed repetitions (the median is reported); at least 5.
+    #[arg(long, default_value_t = 7)]
     reps: usize,
-    /// Skip candle-nn's CPU flash attention (slow at long prompts).
+    /// Print the grid's shapes as `b,hq,hk,t,past,d;...` and exit.
     #[arg(long)]
-    no_cpu_flash: bool,
-    /// Print JSON lines only.
-    #[arg(long)]
-    json: bool,
+    peer_shapes: bool,
 }
 
-fn parse_heads(spec: &str) -> Result<(usize, usize, usize)> {
-    let parts = spec
-        .split(':')
-        .map(str::parse)
-        .collect::<Result<Vec<usize>, _>>()
-        .with_context(|| format!("bad --heads entry {spec:?}: want q_heads:kv_heads:head_dim"))?;
-    match parts[..] {
-        [hq, hk, d] if hk > 0 && hq % hk == 0 => Ok((hq, hk, d)),
-        _ => bail!("bad --heads entry {spec:?}: want q_heads:kv_heads:head_dim, q_heads a multiple of kv_heads"),
-    }
-}
-
-/// One point's inputs: the new tokens' q, k, v and a cache holding `past` random positions.
+/// One point of the grid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Point {
     b: usize,
-    t: usize,
-    past: usize,
     hq: usize,
     hk: usize,
+    t: usize,
+    past: usize,
     d: usize,
-    q: Tensor,
-    k_new: Tensor,
-    v_new: Tensor,
-    cache: KvCache,
-    /// The whole sequence's K/V, contiguous `(b, past + t, hk, d)`, for candle-nn's kernel.
-    k_seq: Tensor,
-    v_seq: Tensor,
+    /// K/V stored as fp8 (e4m3).
+    fp8: bool,
 }
 
 impl Point {
-    fn new(b: usize, (hq, hk, d): (usize, usize, usize), t: usize, past: usize) -> Result<Self> {
-        let dev = Device::Cpu;
-        let random = |shape: (usize, usize, usize, usize)| Tensor::randn(0f32, 1.0, shape, &dev);
-        let (k_past, v_past) = (random((b, past, hk, d))?, random((b, past, hk, d))?);
-        let (k_new, v_new) = (random((b, t, hk, d))?, random((b, t, hk, d))?);
-        let mut cache = KvCache::new(&KvCacheConfig {
-            batch: b,
-            kv_heads: hk,
-            head_dim: d,
-            initial_capacity: past + t,
-            max_capacity: past + t,
-            dtype: DType::F32,
-            device: dev.clone(),
-            k_scale: 1.0,
-            v_scale: 1.0,
-        })?;
-        if past > 0 {
-            cache.append(&k_past, &v_past)?;
-        }
-        let k_seq = Tensor::cat(&[&k_past, &k_new], 1)?;
-        let v_seq = Tensor::cat(&[&v_past, &v_new], 1)?;
-        Ok(Self {
+    const fn new(b: usize, (hq, hk, d): (usize, usize, usize), t: usize, past: usize) -> Self {
+        Self {
             b,
-            t,
-            past,
             hq,
             hk,
+            t,
+            past,
             d,
-            q: random((b, t, hq, d))?,
-            k_new,
-            v_new,
-            cache,
-            k_seq,
-            v_seq,
-        })
+            fp8: false,
+        }
     }
 
-    fn scale(&self) -> f32 {
-        1.0 / (self.d as f32).sqrt()
+    const fn fp8(self) -> Self {
+        Self { fp8: true, ..self }
     }
 
-    /// 4 · d · h_q · (keys seen, summed over the batch's queries).
-    fn causal_flops(&self) -> f64 {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// 4 · d · h_q · Σ keys seen: query i of t sees the past and itself and the i before it.
+    fn flops(&self) -> f64 {
         let (t, past) = (self.t as f64, self.past as f64);
-        let seen = t * past + t * (t + 1.0) / 2.0;
-        4.0 * (self.d * self.hq * self.b) as f64 * seen
-    }
-
-    /// The op over the cache's views after appending the new tokens.
-    fn splitkv(&mut self) -> Result<Tensor> {
-        self.cache.truncate(self.past);
-        let (k, v) = self.cache.append(&self.k_new, &self.v_new)?;
-        Ok(SplitKvAttention::new(self.scale()).forward(&self.q, &k, &v)?)
-    }
-
-    /// The attention layer's prompt path (the blocked causal attention) over the same cache.
-    fn blocked(&mut self) -> Result<Tensor> {
-        self.cache.truncate(self.past);
-        let attention = CachedAttention::new(self.scale());
-        Ok(attention.forward(&self.q, &self.k_new, &self.v_new, &mut self.cache)?)
-    }
-
-    /// candle-nn's CPU flash attention over the contiguous sequence.
-    fn cpu_flash(&self) -> Result<Tensor> {
-        Ok(candle_nn::attention::flash_attn::<f32>(
-            &self.q,
-            &self.k_seq,
-            &self.v_seq,
-            self.scale(),
-            AttnMask::causal_with_offset(self.past),
-            None,
-            None,
-        )?)
+        let keys = t * past + t * (t + 1.0) / 2.0;
+        4.0 * self.d as f64 * self.hq as f64 * keys * self.b as f64
     }
 }
 
-/// Seconds `f` takes.
-fn seconds(f: impl FnOnce() -> Result<Tensor>) -> Result<f64> {
-    let start = Instant::now();
-    std::hint::black_box(f()?);
-    Ok(start.elapsed().as_secs_f64())
+/// The default grid: long prefills, a chunk after a long past, a batch, other head dims and
+/// groups, fp8 K/V, the few-token calls where the decode forms meet many query rows per kv head,
+/// and the verification points the decode forms keep.
+fn default_grid() -> Vec<Point> {
+    let llama = (32, 8, 128);
+    vec![
+        Point::new(1, llama, 4096, 0),
+        Point::new(1, llama, 16384, 0),
+        Point::new(1, llama, 32768, 0),
+        Point::new(1, llama, 2048, 30720),
+        Point::new(8, llama, 4096, 0),
+        Point::new(1, (32, 8, 64), 16384, 0),
+        Point::new(1, (32, 8, 256), 16384, 0),
+        Point::new(1, (64, 8, 128), 16384, 0),
+        Point::new(1, llama, 16384, 0).fp8(),
+        Point::new(16, (64, 8, 128), 4, 4096),
+        Point::new(16, (64, 8, 128), 8, 4096),
+        Point::new(1, llama, 4, 131072),
+        Point::new(1, llama, 8, 131072),
+    ]
 }
 
-fn report(args: &Args, p: &Point, backend: &str, secs: f64, extra: serde_json::Value) {
-    let tflops = p.causal_flops() / secs / 1e12;
-    let mut line = json!({
-        "kind": "ours", "backend": backend, "device": "cpu", "dtype": "float32",
-        "b": p.b, "t": p.t, "past": p.past, "L": p.past + p.t, "hq": p.hq, "hk": p.hk, "d": p.d,
-        "ms": (secs * 1e5).round() / 100.0, "TFLOPs": (tflops * 1e4).round() / 1e4,
-        "threads": rayon::current_num_threads(),
-    });
-    if let (Some(obj), Some(more)) = (line.as_object_mut(), extra.as_object()) {
-        obj.extend(more.clone());
+fn parse_shapes(spec: &str) -> Result<Vec<Point>> {
+    spec.split(';')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            let v: Vec<usize> = s
+                .split(',')
+                .map(|x| x.trim().parse::<usize>())
+                .collect::<Result<_, _>>()
+                .with_context(|| format!("shape {s:?}: expected b,hq,hk,t,past,d"))?;
+            match v.as_slice() {
+                &[b, hq, hk, t, past, d] => Ok(Point::new(b, (hq, hk, d), t, past)),
+                _ => bail!("shape {s:?}: expected six numbers b,hq,hk,t,past,d"),
+            }
+        })
+        .collect()
+}
+
+fn peer_shapes(points: &[Point]) -> String {
+    let mut shapes: Vec<String> = Vec::new();
+    for p in points {
+        let s = format!("{},{},{},{},{},{}", p.b, p.hq, p.hk, p.t, p.past, p.d);
+        if !shapes.contains(&s) {
+            shapes.push(s);
+        }
     }
-    if args.json {
-        println!("{line}");
-    } else {
-        println!(
-            "{backend:>17} t={:<5} past={:<5} h={}/{} d={:<3} {:>10.2} ms {:>6.1} GFLOP/s  {extra}",
-            p.t,
-            p.past,
-            p.hq,
-            p.hk,
-            p.d,
-            secs * 1e3,
-            tflops * 1e3
-        );
+    shapes.join(";")
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn parse_dtype(name: &str) -> Result<DType> {
+    Ok(match name {
+        "bf16" | "bfloat16" => DType::BF16,
+        "f16" | "float16" => DType::F16,
+        other => bail!("unknown dtype {other:?}; use bf16 or f16"),
+    })
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F8E4M3 => "float8_e4m3fn",
+        _ => "other",
     }
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    if args.reps == 0 {
-        bail!("--reps must be at least 1");
-    }
-    if let Some(t) = args
-        .t
-        .iter()
-        .find(|&&t| t <= candle_splitkv::MAX_QUERY_TOKENS)
-    {
-        bail!(
-            "--t {t}: up to {} new tokens the attention layer runs the op itself; the blocked \
-             path it is compared with starts above",
-            candle_splitkv::MAX_QUERY_TOKENS
-        );
-    }
-    for spec in &args.heads {
-        let heads = parse_heads(spec)?;
-        for &t in &args.t {
-            for &past in &args.past {
-                let mut p = Point::new(args.batch, heads, t, past)?;
-                // Warm-up: page in the buffers and the thread pool.
-                p.splitkv()?;
-                p.blocked()?;
-                let (mut ours, mut blocked, mut flash) = (Vec::new(), Vec::new(), Vec::new());
-                for _ in 0..args.reps {
-                    ours.push(seconds(|| p.splitkv())?);
-                    blocked.push(seconds(|| p.blocked())?);
-                    if !args.no_cpu_flash {
-                        flash.push(seconds(|| p.cpu_flash())?);
-                    }
+#[cfg(feature = "cuda")]
+fn bench(args: &Args, points: &[Point]) -> Result<()> {
+    use candle_core::{Device, Tensor};
+    use candle_splitkv::test_hooks::last_attention_form;
+    use candle_splitkv::{quantize_e4m3, SplitKvAttention};
+    use serde_json::json;
+
+    let device = Device::new_cuda(0).context("bench_prefill needs a CUDA device")?;
+    let Device::Cuda(cuda) = &device else {
+        bail!("bench_prefill needs a CUDA device")
+    };
+    for name in &args.dtypes {
+        let dtype = parse_dtype(name)?;
+        for p in points {
+            let mut kinds = vec![p.fp8];
+            if args.fp8 && !p.fp8 {
+                kinds.push(true);
+            }
+            for fp8 in kinds {
+                let p = Point { fp8, ..*p };
+                let l = p.past + p.t;
+                let random = |shape: (usize, usize, usize, usize)| {
+                    Tensor::randn(0f32, 1.0, shape, &device)?.to_dtype(dtype)
+                };
+                let q = random((p.b, p.t, p.hq, p.d))?;
+                let (mut k, mut v) = (random((p.b, l, p.hk, p.d))?, random((p.b, l, p.hk, p.d))?);
+                let mut op = SplitKvAttention::new(1.0 / (p.d as f32).sqrt());
+                if fp8 {
+                    k = quantize_e4m3(&k.to_dtype(DType::F32)?, 0.05)?;
+                    v = quantize_e4m3(&v.to_dtype(DType::F32)?, 0.05)?;
+                    op = op.with_kv_scales(0.05, 0.05);
                 }
-                let ours = median(ours);
-                let blocked = median(blocked);
-                let mut extra = json!({
-                    "speedup_vs_blocked": (blocked / ours * 100.0).round() / 100.0,
+                let (us, _) = timing::gpu_time(cuda, 1, args.reps, &|_| {
+                    op.forward(&q, &k, &v)?;
+                    Ok(())
+                })?;
+                let form = last_attention_form().unwrap_or("unknown");
+                let ms = us / 1e3;
+                let line = json!({
+                    "kind": "ours",
+                    "backend": "splitkv",
+                    "dtype": dtype_name(dtype),
+                    "kv_dtype": dtype_name(if fp8 { DType::F8E4M3 } else { dtype }),
+                    "b": p.b, "hq": p.hq, "hk": p.hk, "d": p.d, "t": p.t, "past": p.past,
+                    "ms": ms,
+                    "tflops": p.flops() / (ms * 1e-3) / 1e12,
+                    "form": form,
                 });
-                if !flash.is_empty() {
-                    let flash = median(flash.clone());
-                    extra["speedup_vs_cpu_flash"] = json!((flash / ours * 100.0).round() / 100.0);
-                }
-                report(&args, &p, "splitkv_cpu", ours, extra);
-                report(&args, &p, "blocked_causal", blocked, json!({}));
-                if !flash.is_empty() {
-                    report(&args, &p, "candle_cpu_flash", median(flash), json!({}));
-                }
+                println!("{line}");
             }
         }
     }
     Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench(_args: &Args, _points: &[Point]) -> Result<()> {
+    bail!("bench_prefill times the CUDA kernels: build with --features cuda")
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.reps < 5 {
+        bail!("--reps must be at least 5, got {}", args.reps);
+    }
+    let points = match &args.shapes {
+        Some(spec) => parse_shapes(spec)?,
+        None => default_grid(),
+    };
+    if args.peer_shapes {
+        println!("{}", peer_shapes(&points));
+        return Ok(());
+    }
+    bench(&args, &points)
 }

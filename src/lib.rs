@@ -9,9 +9,9 @@
 //! # The op
 //!
 //! Tensors follow candle's flash-attention convention:
-//! - q: `(batch, t, q_heads, head_dim)`: t = 1 for plain decoding, up to [`MAX_QUERY_TOKENS`]
-//!   to verify drafted tokens in one pass (the last t positions, causal); `head_dim` one of
-//!   [`SUPPORTED_HEAD_DIMS`].
+//! - q: `(batch, t, q_heads, head_dim)`: t = 1 for plain decoding, a few to verify drafted
+//!   tokens in one pass (up to [`MAX_QUERY_TOKENS`] run the decode kernels), any number for a
+//!   prefill (the last t positions, causal); `head_dim` one of [`SUPPORTED_HEAD_DIMS`].
 //! - k, v: `(batch, kv_len, kv_heads, head_dim)`, only the last dim contiguous, so a narrowed,
 //!   transposed view of a head-major `(batch, kv_heads, capacity, head_dim)` cache goes in
 //!   without a copy. In q's dtype, or fp8 (e4m3) with per-tensor scales

@@ -1,7 +1,8 @@
 //! Hooks for the test suites and benchmarks (feature `test-hooks`, which the crate's
 //! dev-dependency on itself turns on for its tests, examples and benches): NaN poisoning of
-//! kernel outputs, the fused projections' launch count and ring form, and the split plan the op
-//! picks. Not part of the crate's API otherwise.
+//! kernel outputs, the fused projections' launch count and ring form, the split plan the op
+//! picks, and on CUDA the attention kernel a call runs (decode or prefill forms). Not part of
+//! the crate's API otherwise.
 //!
 //! The switches are per thread, so that tests running in parallel keep apart: a kernel launched
 //! from a thread sees that thread's settings.
@@ -17,6 +18,50 @@ thread_local! {
     static POISON_OUTPUTS: Cell<bool> = const { Cell::new(false) };
     static RING_FORM_FOR_ALL: Cell<bool> = const { Cell::new(false) };
     static FUSED_LAUNCHES: Cell<u64> = const { Cell::new(0) };
+    static PREFILL_ROUTE: Cell<PrefillRoute> = const { Cell::new(PrefillRoute::Auto) };
+    static ATTENTION_FORM: Cell<Option<&'static str>> = const { Cell::new(None) };
+}
+
+/// Which kernels run this thread's attention calls on CUDA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillRoute {
+    /// The op's rule: the decode kernels for a few query tokens unless many query rows per kv
+    /// head would make them re-stream the K/V, the best prefill form otherwise.
+    #[default]
+    Auto,
+    /// The mma.sync prefill form (kernels/prefill.cuh) for every call, at any t.
+    MmaSync,
+    /// The sm_90a prefill form (kernels/prefill_sm90.cuh) for every call; an error where the
+    /// build or device lacks it or it does not cover the call.
+    Wgmma,
+}
+
+/// Sends this thread's attention calls on CUDA down `route` instead of the rule's choice, so
+/// that each prefill form is tested at every shape it takes.
+pub fn force_prefill_route(route: PrefillRoute) {
+    PREFILL_ROUTE.set(route);
+}
+
+/// The prefill family this thread's calls are forced onto, if any.
+#[cfg(feature = "cuda")]
+pub(crate) fn forced_prefill_family() -> Option<crate::cuda::prefill::PrefillFamily> {
+    use crate::cuda::prefill::PrefillFamily;
+    match PREFILL_ROUTE.get() {
+        PrefillRoute::Auto => None,
+        PrefillRoute::MmaSync => Some(PrefillFamily::MmaSync),
+        PrefillRoute::Wgmma => Some(PrefillFamily::Wgmma),
+    }
+}
+
+/// The kernel this thread's last attention call on CUDA ran: "decode" for the decode forms, the
+/// instance's symbol (such as `prefill_sm90_bf16_d128`) for the prefill forms.
+pub fn last_attention_form() -> Option<&'static str> {
+    ATTENTION_FORM.get()
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record_attention_form(form: &'static str) {
+    ATTENTION_FORM.set(Some(form));
 }
 
 /// Fills the outputs and scratch buffers of every CUDA kernel launched from this thread (the

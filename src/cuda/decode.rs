@@ -51,7 +51,7 @@ pub(crate) fn forward(
 }
 
 /// The cp.async loads move 16 bytes at a time, so every K/V row must start on a 16-byte boundary.
-fn check_alignment(
+pub(crate) fn check_alignment(
     name: &str,
     strides: &RowStrides,
     dims: &[usize],
@@ -81,7 +81,7 @@ fn check_alignment(
 
 /// The device address of the call's u32 tensor `name` (`seqlens_k`, `block_table`), or 0 where
 /// the call has none.
-fn u32_ptr(name: &str, t: Option<&Tensor>, dev: &CudaDevice) -> Result<u64> {
+pub(crate) fn u32_ptr(name: &str, t: Option<&Tensor>, dev: &CudaDevice) -> Result<u64> {
     let Some(t) = t else {
         return Ok(0);
     };

@@ -27,6 +27,9 @@ pub(crate) struct KernelSpec {
     pub smem_bytes: usize,
     /// With the splits merging inside a thread-block cluster: `smem_bytes` and the receive area.
     pub cluster_smem_bytes: usize,
+    /// Query rows and K/V positions of one CTA's tile, for the prefill forms; 0 for the others.
+    pub tile_rows: usize,
+    pub tile_keys: usize,
 }
 
 impl KernelForm {

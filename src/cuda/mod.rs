@@ -8,6 +8,7 @@
 pub(crate) mod cache_write;
 mod decode;
 mod decode_kernel;
+mod dispatch;
 pub(crate) mod fp8_convert;
 pub(crate) mod graph;
 pub(crate) mod kernels;
@@ -15,9 +16,10 @@ pub(crate) mod launch;
 mod lockstep;
 pub(crate) mod memory;
 mod planner;
+pub(crate) mod prefill;
 pub(crate) mod rope_split;
 mod split_counters;
 pub(crate) mod swiglu;
 mod wide_groups;
 
-pub(crate) use decode::{forward, split_plan};
+pub(crate) use dispatch::{forward, split_plan};

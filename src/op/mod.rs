@@ -26,12 +26,14 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 /// Split-KV attention of the last t positions of each sequence over their K/V: a decode step
 /// (t = 1), a verification pass of drafted tokens, or a prefill chunk.
 ///
-/// - q: `(batch, t, q_heads, head_dim)`: the last t positions of each sequence, query token i
-///   seeing the keys up to position `len − t + i` (causal, aligned to the end of the cache); a
-///   token that sees no key gets zeros and an LSE of −inf. The CPU takes any t ≥ 1 (past a few
-///   tokens, a tiled prefill pass); CUDA takes 1 ≤ t ≤
-///   [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) today. The t tokens of a sequence share
-///   each pass over its K/V.
+/// - q: `(batch, t, q_heads, head_dim)`, t ≥ 1: the last t positions of each sequence, query
+///   token i seeing the keys up to position `len − t + i` (causal, aligned to the end of the
+///   cache); a token that sees no key gets zeros and an LSE of −inf. On the CPU, past a few
+///   tokens a tiled prefill pass runs. On CUDA, calls of up to
+///   [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) tokens run the decode kernels, where the t
+///   tokens of a sequence share one pass over its K/V; longer calls (a prefill, a chunk of one)
+///   and calls with many query rows per kv head run the causal prefill kernels, which take
+///   f16/bf16 q.
 /// - k, v: `(batch, kv_len, kv_heads, head_dim)`; only the last dim must be contiguous. Both in
 ///   q's dtype, or both fp8 (`F8E4M3`) with [`SplitKvAttention::with_kv_scales`] giving the
 ///   real values; on CUDA fp8 takes an f16 or bf16 q and a build for compute capability 89 or

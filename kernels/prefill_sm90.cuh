@@ -1,0 +1,426 @@
+// Causal prefill attention for sm_90a (Hopper): the form of kernels/prefill.cuh built on
+// warpgroup matrix products, after FlashAttention-3. Same parameter block (PrefillParams), work
+// items, masking, GQA row packing, varlen, paging and split/combine conventions, for f16/bf16
+// K/V (contiguous, strided or paged) at head dims 64, 128 and 256. fp8 K/V, sliding windows and
+// soft-capping stay on kernels/prefill.cuh.
+//
+// A CTA is three warpgroups over one work item of kRows = 128 query rows:
+//   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
+//     a ring of kStages stages with 16-byte cp.async (zero-filling positions past the sequence;
+//     any row stride; paged rows through the block table), wait for them, fence them for the
+//     tensor cores' proxy and arrive on the tile's `full` mbarrier; they wait on its `empty`
+//     mbarrier before reusing a slot. K and V have barriers of their own, so a K slot frees as
+//     soon as its scores are done. Plain addresses: the host builds no tensor maps.
+//   two consumers (warps 4-7, 8-11), 64 rows each: S = Q · Kᵀ by wgmma with Q and K from
+//     shared memory; masking and the online softmax in registers; O += P · V by wgmma with P
+//     from registers and V from shared memory. The products of tile j's scores and of tile
+//     j - 1's values are issued together, so the softmax of tile j runs while P · V of j - 1
+//     is in flight; and the two consumers take turns issuing (two named barriers), so one's
+//     softmax overlaps the other's products.
+// `setmaxnreg` moves registers from the producer to the consumers.
+//
+// Shared memory: Q (kRows × D), then kStages × (K tile, V tile), each 128-byte swizzled in
+// 64-dim column blocks (kernels/wgmma.cuh), then the mbarriers; the host passes kSmemBytes
+// (which includes 1 KB of slack for aligning the tiles to 1024 bytes).
+//
+// Build: the sm_90a target (-gencode=arch=compute_90a,code=sm_90a); the wrapper kernel carries
+// __launch_bounds__(kThreads, 1), which setmaxnreg needs. The host guarantees what
+// kernels/prefill.cuh lists, launches kThreads threads per CTA, one CTA per (query tile of kRows
+// rows, batch, kv head, split) in the order prefill.cuh describes (one CTA fits an SM), and
+// raises the kernel's dynamic shared-memory limit to kSmemBytes.
+#pragma once
+
+#include "prefill.cuh"
+#include "wgmma.cuh"
+
+// The tile shape of a head dim: K/V positions per tile and ring stages (as many as shared memory
+// holds: the ring hides the copies' latency). At D = 256 the output accumulator alone takes 128
+// registers a thread, so score tiles are 64 keys wide.
+template <int D> struct PrefillSm90Shape {
+    static constexpr int kKeys = D <= 128 ? 128 : 64;
+    static constexpr int kStages = D <= 64 ? 6 : D <= 128 ? 3 : 2;
+    static constexpr bool kPingPong = true;  // consumers take turns issuing products
+};
+
+template <class Traits, class Shape = PrefillSm90Shape<Traits::kHeadDim>> struct PrefillSm90Tiling {
+    static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr int kConsumers = 2;  // warpgroups of 64 rows
+    static constexpr int kThreads = (kConsumers + 1) * 128;
+    static constexpr int kRows = kConsumers * 64;
+    static constexpr int kKeys = Shape::kKeys;
+    static constexpr int kStages = Shape::kStages;
+    static constexpr bool kPingPong = Shape::kPingPong;
+    static constexpr int kProducerRegisters = 40;
+    static constexpr int kConsumerRegisters = 232;
+    static constexpr int kQueryBytes = kRows * kHeadDim * 2;
+    static constexpr int kKvTileBytes = kKeys * kHeadDim * 2;
+    static constexpr int kStageBytes = 2 * kKvTileBytes;  // K then V
+    static constexpr int kBarrierBytes = 4 * kStages * 8;  // K full, V full, K empty, V empty
+    static constexpr int kSmemBytes = 1024 + kQueryBytes + kStages * kStageBytes + kBarrierBytes;
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims 64, 128, 256");
+    static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+};
+
+__device__ __forceinline__ float quad_max4(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum4(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <class Traits, class Shape = PrefillSm90Shape<Traits::kHeadDim>>
+__device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
+    using Cfg = PrefillSm90Tiling<Traits, Shape>;
+    using T = typename Traits::T;
+    using MMA = Wgmma<T>;
+    using Out = TensorCore<T>;
+    static_assert(sizeof(typename Traits::KV) == sizeof(T), "16-bit K/V only (fp8: prefill.cuh)");
+    static_assert(!Traits::kWindowed, "windowed and soft-capped forms: prefill.cuh");
+    constexpr bool PAGED = Traits::kPaged;
+    constexpr int D = Cfg::kHeadDim;
+    constexpr int N = Cfg::kKeys;
+    constexpr int STAGES = Cfg::kStages;
+    constexpr int M = Cfg::kRows;
+    constexpr int PIECES = D / 8;  // 16-byte pieces per row
+    constexpr int KSTEPS = D / 16;  // k-steps of S = Q · Kᵀ
+    constexpr int PSTEPS = N / 16;  // k-steps of O += P · V
+    constexpr int SREGS = N / 2;    // score accumulators per thread
+    constexpr int OREGS = D / 2;    // output accumulators per thread
+
+    extern __shared__ __align__(16) unsigned char smem[];  // tiles aligned at run time
+    if (dynamic_smem_bytes() < (unsigned)Cfg::kSmemBytes) __trap();
+    const unsigned q_smem = (static_cast<unsigned>(__cvta_generic_to_shared(smem)) + 1023u) & ~1023u;
+    const unsigned ring_smem = q_smem + Cfg::kQueryBytes;
+    // mbarriers, stage s at + 8s: a K or V tile has landed (full) or been read (empty).
+    const unsigned k_full = ring_smem + STAGES * Cfg::kStageBytes;
+    const unsigned v_full = k_full + 8 * STAGES;
+    const unsigned k_empty = v_full + 8 * STAGES;
+    const unsigned v_empty = k_empty + 8 * STAGES;
+
+    // The work item, as in prefill.cuh.
+    const int group = p.q_heads / p.kv_heads;
+    const int tokens = p.query_tokens;
+    const int rows_total = tokens * group;
+    const int q_tiles = (rows_total + M - 1) / M;
+    int index = blockIdx.x;
+    const int split = index % p.num_splits;
+    index /= p.num_splits;
+    const int kv_head = index % p.kv_heads;
+    index /= p.kv_heads;
+    const int b = index % p.batch;
+    const int q_tile = q_tiles - 1 - index / p.batch;
+    int len = p.kv_len;
+    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
+    const int row0 = q_tile * M;
+    const int last_row = min(row0 + M, rows_total) - 1;
+    const int kv_end = prefill_key_end(len, last_row / group, tokens);
+    const int tiles = (kv_end + N - 1) / N;
+    const int lo = (int)((long long)tiles * split / p.num_splits);
+    const int hi = (int)((long long)tiles * (split + 1) / p.num_splits);
+    const int count = hi - lo;  // this split's tiles: hi - 1 down to lo
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(k_full + 8 * s, 64);  // the producer's K or V half
+            mbarrier_init(v_full + 8 * s, 64);
+            mbarrier_init(k_empty + 8 * s, 4 * Cfg::kConsumers);  // one per consumer warp
+            mbarrier_init(v_empty + 8 * s, 4 * Cfg::kConsumers);
+        }
+    }
+    __syncthreads();
+
+    const int warpgroup = threadIdx.x / 128;
+    if (warpgroup == 0) {
+        // Producer: warps 0-1 copy K tiles, warps 2-3 V tiles, each half on its own barriers, so
+        // that a K tile is announced, and its slot reused, independently of the V tile beside it.
+        // Thread t of a half copies piece t % PIECES of rows t / PIECES + j·ROW_STEP.
+        registers_release<Cfg::kProducerRegisters>();
+        constexpr int ROW_STEP = 64 / PIECES;
+        const bool is_v = threadIdx.x >= 64;
+        const int t = threadIdx.x % 64;
+        const int piece = t % PIECES, row = t / PIECES;
+        const long long row_bytes = (is_v ? p.v_seq_stride : p.k_seq_stride) * 2;
+        const long long outer_bytes = (is_v ? p.v_batch_stride : p.k_batch_stride) * 2;  // batch or page
+        const char* const base = static_cast<const char*>(is_v ? p.v : p.k) + (PAGED ? 0 : b * outer_bytes) +
+                                 kv_head * (is_v ? p.v_head_stride : p.k_head_stride) * 2 + piece * 16;
+        const uint32_t* const pages = PAGED ? p.block_table + (long long)b * p.max_pages : nullptr;
+        const unsigned full = is_v ? v_full : k_full, empty = is_v ? v_empty : k_empty;
+        const unsigned tiles_smem = ring_smem + (is_v ? Cfg::kKvTileBytes : 0);
+        bool pending = false;  // tile it - 1 copied but not yet announced
+        auto announce = [&](int it) {
+            fence_proxy_async();
+            mbarrier_arrive(full + 8 * (it % STAGES));
+        };
+        for (int it = 0; it < count; ++it) {
+            const int slot = it % STAGES;
+            if (it >= STAGES) {
+                // Announce everything before blocking: the consumers may need tile it - 1 to
+                // free the slot of tile it - STAGES.
+                if (pending) {
+                    cp_async_wait<0>();
+                    announce(it - 1);
+                    pending = false;
+                }
+                mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
+            }
+            const int k0 = (hi - 1 - it) * N;
+            const char* src = base + (k0 + row) * row_bytes;
+            unsigned dst = tiles_smem + slot * Cfg::kStageBytes + swizzled_offset(N, row, piece);
+            const int rows_left = len - k0 - row;
+            // Rows row + j·ROW_STEP, 8 rows per swizzle period: the piece's slot in the row
+            // alternates with j when ROW_STEP < 8 (a few registers, not one address per row).
+            constexpr int PERIOD = ROW_STEP >= 8 ? 1 : 8 / ROW_STEP;
+            unsigned swz[PERIOD];
+#pragma unroll
+            for (int j = 0; j < PERIOD; ++j)
+                swz[j] = swizzled_offset(N, row + j * ROW_STEP, piece) - swizzled_offset(N, row, piece) - j * ROW_STEP * 128;
+#pragma unroll 4
+            for (int j = 0; j < N / ROW_STEP; ++j) {
+                const bool valid = j * ROW_STEP < rows_left;
+                const char* from = valid ? src : base;
+                if constexpr (PAGED) {
+                    if (valid) {
+                        const PagedRow at = prefill_paged_row(p, pages, k0 + row + j * ROW_STEP);
+                        from = base + at.page * outer_bytes + at.row * row_bytes;
+                    }
+                }
+                cp_async16_zfill(dst + j * ROW_STEP * 128 + swz[j % PERIOD], from, valid);
+                src += ROW_STEP * row_bytes;
+            }
+            cp_async_commit();
+            if (pending) {
+                cp_async_wait<1>();
+                announce(it - 1);
+            }
+            pending = true;
+        }
+        if (pending) {
+            cp_async_wait<0>();
+            announce(count - 1);
+        }
+        return;
+    }
+
+    // Consumers.
+    registers_claim<Cfg::kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int ct = threadIdx.x - warpgroup * 128;
+    const int warp = ct / 32, lane = ct % 32;
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+    const int wg_row0 = consumer * 64;  // within the tile
+    // This thread's rows: wg_row0 + 16·warp + quad_row (+8).
+    const int my_row = row0 + wg_row0 + warp * 16 + quad_row;
+    // Keys every row of this warpgroup sees: tiles from there on need no mask.
+    const int wg_first = row0 + wg_row0;
+    const int wg_full_end = wg_first < rows_total ? prefill_key_end(len, wg_first / group, tokens) : 0;
+
+    float o[OREGS];
+#pragma unroll
+    for (int i = 0; i < OREGS; ++i) o[i] = 0.f;
+    float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};
+    const float scale = p.scale_log2;
+
+    if (count > 0) {
+        // This warpgroup's 64 query rows (rows past the group's last are zero).
+        {
+            const T* const q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+            for (int i = ct; i < 64 * PIECES; i += 128) {
+                const int r = wg_row0 + i / PIECES, c = i % PIECES;
+                const int row = row0 + r;
+                const bool valid = row < rows_total;
+                const T* src = q;
+                if (valid) {
+                    const int token = row / group;
+                    const int head = kv_head * group + (row - token * group);
+                    src = q + token * p.q_seq_stride + head * p.q_head_stride + c * 8;
+                }
+                cp_async16_zfill(q_smem + swizzled_offset(M, r, c), src, valid);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            fence_proxy_async();
+            named_barrier_sync(3 + consumer, 128);
+        }
+
+        // Descriptors: Q rows of this warpgroup and K (K-major, 8-row groups 1024 bytes apart);
+        // V (N-major: 64-dim blocks N·128 bytes apart, 8-key groups 1024 bytes apart).
+        const uint64_t q_desc = wgmma_desc(q_smem + wg_row0 * 128, 16, 1024);
+        auto k_desc = [&](int slot) { return wgmma_desc(ring_smem + slot * Cfg::kStageBytes, 16, 1024); };
+        auto v_desc = [&](int slot) {
+            return wgmma_desc(ring_smem + slot * Cfg::kStageBytes + Cfg::kKvTileBytes, N * 128, 1024);
+        };
+        // k-step ks of a K-major operand of `rows` rows: its 64-dim block, then 32 bytes a step.
+        auto kmajor_step = [](int rows, int ks) -> uint64_t {
+            return (uint64_t)(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
+        };
+
+        auto turn_begin = [&] {
+            if constexpr (Cfg::kPingPong) named_barrier_sync(1 + consumer, 256);
+        };
+        auto turn_end = [&](bool last) {
+            if constexpr (Cfg::kPingPong) {
+                // The second consumer skips its last hand-over, which no one would wait for.
+                if (!(last && consumer == 1)) named_barrier_arrive(2 - consumer, 256);
+            }
+        };
+        if constexpr (Cfg::kPingPong) {
+            if (consumer == 1) named_barrier_arrive(1, 256);  // the first turn is the first consumer's
+        }
+
+        float s[SREGS];
+        uint32_t pf[PSTEPS][4];
+
+        auto issue_scores = [&](int slot) {
+            const uint64_t kd = k_desc(slot);
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks)
+                MMA::ss(s, q_desc + kmajor_step(M, ks), kd + kmajor_step(N, ks), ks > 0);
+        };
+        auto issue_values = [&](int slot) {
+            const uint64_t vd = v_desc(slot);
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk) MMA::rs(o, pf[kk], vd + (uint64_t)((kk * 16 * 128) >> 4), 1);
+        };
+        auto release = [&](unsigned empty, int slot) {
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(empty + 8 * slot);
+        };
+
+        // Mask and exponentiate the scores of the tile from key k0 in place; returns the factor
+        // by which each row's earlier output must shrink.
+        auto softmax = [&](int k0, float (&factor)[2]) {
+            if (k0 + N > wg_full_end) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = my_row + 8 * h;
+                    const int end = r < rows_total ? prefill_key_end(len, r / group, tokens) : 0;
+#pragma unroll
+                    for (int i = 0; i < N / 8; ++i)
+#pragma unroll
+                        for (int j = 0; j < 2; ++j)
+                            if (k0 + i * 8 + quad_col * 2 + j >= end) s[4 * i + 2 * h + j] = -INFINITY;
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float m = run_max[h];
+#pragma unroll
+                for (int i = 0; i < N / 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
+                m = quad_max4(m);
+                factor[h] = m > run_max[h] ? fast_exp2((run_max[h] - m) * scale) : 1.f;  // 0 from -inf
+                run_max[h] = m;
+                const float base = m == -INFINITY ? 0.f : -m * scale;
+                float sum = 0.f;
+#pragma unroll
+                for (int i = 0; i < N / 8; ++i)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float w = fast_exp2(fmaf(s[4 * i + 2 * h + j], scale, base));
+                        s[4 * i + 2 * h + j] = w;
+                        sum += w;
+                    }
+                run_sum[h] = run_sum[h] * factor[h] + sum;
+            }
+        };
+        auto rescale_and_pack = [&](const float (&factor)[2]) {
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) {
+                o[4 * i] *= factor[0];
+                o[4 * i + 1] *= factor[0];
+                o[4 * i + 2] *= factor[1];
+                o[4 * i + 3] *= factor[1];
+            }
+#pragma unroll
+            for (int kk = 0; kk < PSTEPS; ++kk)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) pf[kk][j] = Out::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+        };
+
+        // Tile it streams keys from (hi - 1 - it)·N, from ring slot it % STAGES.
+        {
+            mbarrier_wait(k_full, 0);
+            turn_begin();
+            wgmma_hold(s);
+            wgmma_fence();
+            issue_scores(0);
+            wgmma_commit();
+            turn_end(false);
+            wgmma_wait<0>();
+            wgmma_hold(s);
+            release(k_empty, 0);
+            float factor[2];
+            softmax((hi - 1) * N, factor);
+            rescale_and_pack(factor);
+        }
+        for (int it = 1; it < count; ++it) {
+            const int slot = it % STAGES, prev = (it - 1) % STAGES;
+            mbarrier_wait(k_full + 8 * slot, (it / STAGES) & 1);
+            mbarrier_wait(v_full + 8 * prev, ((it - 1) / STAGES) & 1);
+            turn_begin();
+            wgmma_hold(s);
+            wgmma_hold(o);
+            wgmma_hold(pf);
+            wgmma_fence();
+            issue_scores(slot);
+            wgmma_commit();
+            issue_values(prev);
+            wgmma_commit();
+            turn_end(false);
+            wgmma_wait<1>();  // the scores
+            wgmma_hold(s);
+            release(k_empty, slot);
+            float factor[2];
+            softmax((hi - 1 - it) * N, factor);
+            wgmma_wait<0>();  // the values of tile it - 1
+            wgmma_hold(o);
+            wgmma_hold(pf);
+            release(v_empty, prev);
+            rescale_and_pack(factor);
+        }
+        {
+            const int last = count - 1;
+            mbarrier_wait(v_full + 8 * (last % STAGES), (last / STAGES) & 1);
+            turn_begin();
+            wgmma_hold(o);
+            wgmma_hold(pf);
+            wgmma_fence();
+            issue_values(last % STAGES);
+            wgmma_commit();
+            turn_end(true);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+        }
+    }
+
+    // Normalise and store: the output and LSE (one split), or the split's partial state.
+    const bool single = p.num_splits == 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum4(run_sum[h]);
+        const int r = my_row + 8 * h;
+        if (r >= rows_total) continue;
+        const float inv = sum > 0.f ? p.v_scale / sum : 0.f;
+        const float lse2 = sum > 0.f ? run_max[h] * scale + __log2f(sum) : -INFINITY;
+        const int token = r / group;
+        const int head = kv_head * group + (r - token * group);
+        const long long lse_row = ((long long)b * p.q_heads + head) * tokens + token;
+        if (single) {
+            T* const out = static_cast<T*>(p.out) + (((long long)b * tokens + token) * p.q_heads + head) * D;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i)
+                *reinterpret_cast<uint32_t*>(out + i * 8 + quad_col * 2) =
+                    Out::pack(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+            if (quad_col == 0 && p.lse_out != nullptr) p.lse_out[lse_row] = lse2 * kLn2;
+        } else {
+            const long long part = lse_row * p.num_splits + split;
+            float* const out = p.partial_out + part * D;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i)
+                *reinterpret_cast<float2*>(out + i * 8 + quad_col * 2) =
+                    make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
+            if (quad_col == 0) p.partial_lse[part] = lse2;
+        }
+    }
+}

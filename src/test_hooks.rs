@@ -71,6 +71,12 @@ pub fn poison_outputs(on: bool) {
     POISON_OUTPUTS.set(on);
 }
 
+/// Whether this thread poisons kernel outputs and scratch (see [`poison_outputs`]); the CPU
+/// path fills its split scratch with NaN instead of zeros then.
+pub(crate) fn poisoning() -> bool {
+    POISON_OUTPUTS.get()
+}
+
 /// Runs every fused projection from this thread through the shared-memory ring form wherever
 /// the device can take it, not only the long weight streams the form is chosen for, so that
 /// small shapes test it too.

@@ -149,19 +149,19 @@ impl CachedAttention {
         Ok(out)
     }
 
-    /// The one place that decides how a step of `t` tokens per sequence attends: the op for
-    /// the split-KV backend over a head dim it takes, the reference paths otherwise.
-    ///
-    /// Until the op takes prompts of any length, steps of more tokens than it takes fall back
-    /// to the blocked causal attention here (the `takes_query_tokens` test, to go with it).
-    fn route(&self, head_dim: usize, t: usize) -> Route {
+    /// The one place that decides how a step attends: the op for the split-KV backend over a
+    /// head dim and query it takes (any number of tokens, except f32 queries on CUDA, whose
+    /// kernels take a few), the reference paths otherwise.
+    fn route(&self, q: &Tensor, kv_dtype: DType) -> Result<Route> {
+        let (_, t, _, head_dim) = q.dims4()?;
+        let op_dtype = op_query_dtype(q, kv_dtype);
         let op_takes = crate::op::validate::SUPPORTED_HEAD_DIMS.contains(&head_dim)
-            && crate::op::takes_query_tokens(t);
-        if self.backend == AttentionBackend::SplitKv && op_takes {
+            && crate::op::takes_query_tokens(t, q.device(), op_dtype);
+        Ok(if self.backend == AttentionBackend::SplitKv && op_takes {
             Route::Op
         } else {
             Route::Reference
-        }
+        })
     }
 
     /// A step after the cache's host-counted lengths.
@@ -174,11 +174,11 @@ impl CachedAttention {
         want_lse: bool,
         as_decode_steps: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (batch, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
+        let (batch, t, _, _) = self.check_inputs(q, k, v, cache)?;
         // The cache stores k and v in its own dtype (e.g. f16 under f32, or scaled fp8).
         let scales = KvScales::of(cache);
         let uniform = cache.is_uniform();
-        if self.route(head_dim, t) == Route::Op {
+        if self.route(q, cache.dtype())? == Route::Op {
             let past = cache.len();
             let (k_all, v_all) = cache.append(k, v)?;
             if !uniform {
@@ -219,7 +219,7 @@ impl CachedAttention {
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
-        if self.route(head_dim, t) != Route::Op {
+        if self.route(q, cache.dtype())? != Route::Op {
             bail!(
                 "cached attention: a step at device lengths needs the split-KV backend, a head \
                  dim in {:?} and a token count the op takes; got {:?}, head dim {head_dim}, {t} \
@@ -465,6 +465,15 @@ impl KvScales {
 /// q as the op takes it over K/V stored in `kv_dtype`: in that dtype, except over fp8 K/V,
 /// which the op reads under q as it is (f32, f16 or bf16), or under an f16 q on CUDA, whose
 /// fp8 kernels multiply in f16 whatever q is.
+/// The dtype [`op_query`] gives q.
+fn op_query_dtype(q: &Tensor, kv_dtype: DType) -> DType {
+    match kv_dtype {
+        DType::F8E4M3 if q.dtype() == DType::F32 && q.device().is_cuda() => DType::F16,
+        DType::F8E4M3 => q.dtype(),
+        kv => kv,
+    }
+}
+
 fn op_query(q: &Tensor, kv_dtype: DType) -> Result<Tensor> {
     match kv_dtype {
         DType::F8E4M3 if q.dtype() == DType::F32 && q.device().is_cuda() => q.to_dtype(DType::F16),

@@ -266,9 +266,17 @@ fn decode_slices<T: Element, KV: Element>(
         v_scale: call.v_scale,
         window_left: call.window_left,
         softcap: call.softcap,
-        poison_scratch: call.poison_outputs,
+        poison_scratch: poisons_scratch(),
     };
     decode(&inputs, plan)
+}
+
+/// Whether the tests asked this thread to fill the split scratch with NaN (feature `test-hooks`).
+fn poisons_scratch() -> bool {
+    #[cfg(feature = "test-hooks")]
+    return crate::test_hooks::poisoning();
+    #[cfg(not(feature = "test-hooks"))]
+    false
 }
 
 /// One decode call's inputs, borrowed from candle's storage.

@@ -14,7 +14,7 @@ pub(crate) mod validate;
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 
 pub use call::CudaKernel;
 use call::DecodeCall;
@@ -299,10 +299,14 @@ pub fn flash_decode_paged(
         .forward(q, k_pages, v_pages)
 }
 
-/// Whether the op takes `t` query tokens per sequence on every device: 1 to
-/// [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) (the CPU alone takes more).
-pub(crate) fn takes_query_tokens(t: usize) -> bool {
-    (1..=validate::MAX_QUERY_TOKENS).contains(&t)
+/// Whether the op takes `t` query tokens per sequence of a `dtype` q on `device`: any number
+/// on the CPU, and on CUDA in f16/bf16 (the prefill kernels); f32 on CUDA runs the decode
+/// kernels alone, which take up to [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS).
+pub(crate) fn takes_query_tokens(t: usize, device: &Device, dtype: DType) -> bool {
+    t >= 1
+        && (!device.is_cuda()
+            || t <= validate::MAX_QUERY_TOKENS
+            || matches!(dtype, DType::F16 | DType::BF16))
 }
 
 impl CustomOp3 for SplitKvAttention {
@@ -350,7 +354,6 @@ impl CustomOp3 for SplitKvAttention {
             (v.dtype(), v_layout),
             self.block_table.as_ref().map(Tensor::dims),
         )?;
-        validate::check_cuda_query_tokens(dims.q_len)?;
         let call = self.call(dims)?;
         let (out, lse) = crate::cuda::forward(&call, (q, q_layout), (k, k_layout), (v, v_layout))?;
         self.deliver_lse(lse)?;

@@ -167,19 +167,6 @@ pub fn check_layouts(
     })
 }
 
-/// The query tokens per sequence the CUDA kernels take: at most [`MAX_QUERY_TOKENS`] (the CPU
-/// takes any number).
-pub fn check_cuda_query_tokens(q_len: usize) -> Result<()> {
-    if q_len > MAX_QUERY_TOKENS {
-        bail!(
-            "split-kv attention: q has q_len = {q_len}; on CUDA the op takes at most \
-             {MAX_QUERY_TOKENS} query tokens per sequence today (the CPU takes any number); use \
-             causal attention for a longer prefill on the GPU"
-        )
-    }
-    Ok(())
-}
-
 /// The page sizes of a pool of `num_pages` pages of `page_size` positions, read through a block
 /// table of shape `table` by `batch` sequences.
 fn check_page_dims(
@@ -264,9 +251,6 @@ pub fn check_tensors(
         (v.dtype(), v.layout()),
         block_table.map(Tensor::dims),
     )?;
-    if q.device().is_cuda() {
-        check_cuda_query_tokens(dims.q_len)?;
-    }
     Ok(dims)
 }
 

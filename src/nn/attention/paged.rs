@@ -50,7 +50,7 @@ impl CachedAttention {
         cache.write(layer, step, &k.to_dtype(c.dtype)?, &v.to_dtype(c.dtype)?)?;
         // Pages hold keys and values as they are: no scales.
         let scales = KvScales { k: 1.0, v: 1.0 };
-        if self.route(head_dim, t) == Route::Op {
+        if self.route(q, c.dtype)? == Route::Op {
             let (k_pages, v_pages) = cache.layer(layer)?;
             let op = self
                 .op(scales)

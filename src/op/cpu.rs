@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 mod loops;
 mod prefill;
+mod row_softmax;
 mod tile_products;
 
 use super::call::DecodeCall;

@@ -18,6 +18,12 @@ impl SoftmaxStats {
         sum: 0.0,
     };
 
+    /// The statistics of a softmax whose running maximum is `max` and whose weights relative to
+    /// it sum to `sum`.
+    pub fn new(max: f32, sum: f32) -> Self {
+        Self { max, sum }
+    }
+
     /// The running maximum.
     pub fn max(&self) -> f32 {
         self.max

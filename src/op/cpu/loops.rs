@@ -48,15 +48,21 @@ pub(super) trait InnerLoops {
             0.001_282_349_7,
             0.000_111_416_89,
         ];
+        // Adding 1.5 · 2^23 rounds an f32 below 2^22 in magnitude to an integer, held in the low
+        // bits of the sum: float arithmetic, unlike a saturating `as i32`, stays vectorised.
+        const ROUNDER: f32 = 12_582_912.0;
         let x = if x < -126.0 { -126.0 } else { x };
-        // x = whole + frac with whole = trunc(x) in [-126, 0] and frac in (-1, 0].
-        let whole = x as i32;
-        let frac = x - whole as f32;
+        // x = whole + frac with whole = trunc(x) = ceil(x) in [-126, 0] and frac in (-1, 0].
+        let nearest = (x + ROUNDER) - ROUNDER;
+        let whole = if nearest < x { nearest + 1.0 } else { nearest };
+        let frac = x - whole;
+        let whole_bits =
+            ((whole + ROUNDER).to_bits() as i32).wrapping_sub(ROUNDER.to_bits() as i32);
         let mut p = C[6];
         for &c in C[..6].iter().rev() {
             p = Self::mul_add(p, frac, c);
         }
-        p * f32::from_bits(((whole + 127) as u32) << 23)
+        p * f32::from_bits((whole_bits.wrapping_add(127) as u32) << 23)
     }
 }
 

@@ -3,13 +3,14 @@
 //!
 //! A task takes a block of query rows of one `(batch, kv head)`, a run of query tokens times the
 //! group's query heads (so that each K/V row is read once for the whole group), and one split of
-//! the keys. It walks the keys its rows see in tiles, converts each tile to f32 once (the keys
-//! transposed for the score product), scores the whole block against the tile, folds the scores
-//! into an online softmax per row and accumulates the tile's values ([`super::tile_products`]).
-//! Keys past the block's last token, or before its first token's window, are never read; within
-//! the tiles that are, a row's keys past its own position or before its window weigh nothing.
-//! The tasks leave the decode pass's normalised partial rows and base-2 LSEs, so the same merge
-//! combines the splits.
+//! the keys. It walks the keys its rows see in tiles, converts each tile to f32 once, scores the
+//! whole block against it, folds the scores into an online softmax per row ([`RowSoftmax`]) and
+//! accumulates the tile's values ([`tile_products`]). The block's queries, scores and outputs
+//! are kept transposed, the rows side by side, so that every step is a vector operation across
+//! rows and no tile is ever transposed. Keys past the block's last token, or before its first
+//! token's window, are never read; within the tiles that are, a row's keys past its own position
+//! or before its window weigh nothing. The tasks leave the decode pass's normalised partial rows
+//! and base-2 LSEs, so the same merge combines the splits.
 
 use std::cmp::Reverse;
 use std::ops::Range;
@@ -19,20 +20,20 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use super::loops::Fused;
 use super::loops::{InnerLoops, Portable};
-use super::tile_products;
+use super::row_softmax::RowSoftmax;
+use super::tile_products::{self, BROADCASTS, ROWS};
 use super::{DecodeInputs, Element};
 use crate::op::call::DecodeCall;
-use crate::op::merge::SoftmaxStats;
 use crate::op::plan::{self, SplitPlan, MIN_CHUNK};
 use crate::op::validate::DecodeDims;
 
-/// Query rows (tokens × group members) a task aims for: enough that each converted K/V tile
-/// serves many rows, few enough that a block's queries, scores and outputs stay in the core's
-/// cache and that a short prompt still makes several tasks.
-const BLOCK_ROWS: usize = 96;
+/// Query rows (tokens × group members) a task aims for, a multiple of [`ROWS`]: enough that each
+/// converted K/V tile serves many rows, few enough that a block's queries, scores and outputs
+/// stay in the core's cache and that a short prompt still makes several tasks.
+const BLOCK_ROWS: usize = 6 * ROWS;
 
-/// Keys per tile: a multiple of [`tile_products::COLS`]. The transposed keys, the values and a
-/// micro-tile's rows of scores stay in L1 while the products walk them.
+/// Keys per tile, a multiple of [`tile_products::BROADCASTS`]: enough to amortise the softmax's
+/// per-tile steps, few enough that the tile's keys, values and scores stay in L1.
 const TILE_KEYS: usize = 64;
 
 /// Query tokens per block: [`BLOCK_ROWS`] rows' worth, at least one.
@@ -152,32 +153,42 @@ pub(super) fn attend<T: Element, KV: Element>(
         });
 }
 
-/// A worker's buffers, reused across its tasks.
+/// A worker's buffers, reused across its tasks. A block's rows are padded to a multiple of
+/// [`ROWS`]; the padding rows' queries are zero and their results never read.
 #[derive(Default)]
 struct Scratch {
-    /// The block's queries, pre-scaled: rows × d.
-    queries: Vec<f32>,
-    /// Scores, then probabilities, of the current tile: rows × [`TILE_KEYS`].
+    /// The block's queries, pre-scaled, transposed: d × rows.
+    q_t: Vec<f32>,
+    /// The block's outputs, transposed: d × rows.
+    out_t: Vec<f32>,
+    /// The current tile's scores, then weights: [`TILE_KEYS`] × rows.
     scores: Vec<f32>,
-    /// The tile's keys transposed: d × [`TILE_KEYS`].
-    keys_t: Vec<f32>,
-    /// The tile's values: [`TILE_KEYS`] × d.
+    /// The tile's keys and values converted to f32, where they are stored in another dtype:
+    /// [`TILE_KEYS`] × d each.
+    keys: Vec<f32>,
     values: Vec<f32>,
-    /// The running softmax of each row.
-    stats: Vec<SoftmaxStats>,
+    softmax: RowSoftmax,
+    /// Per row, the range of the tile's keys it sees, for a tile that some row sees only part of.
+    live_start: Vec<u32>,
+    live_end: Vec<u32>,
     /// One row converted to f32.
     row: Vec<f32>,
 }
 
 impl Scratch {
-    /// Sizes the buffers for `rows` query rows of `d` coordinates.
+    /// Sizes the buffers for `rows` (padded) query rows of `d` coordinates; the queries and
+    /// outputs start zero.
     fn prepare(&mut self, rows: usize, d: usize) {
-        self.queries.resize(rows * d, 0.0);
-        self.scores.resize(rows * TILE_KEYS, 0.0);
-        self.keys_t.resize(d * TILE_KEYS, 0.0);
+        for v in [&mut self.q_t, &mut self.out_t] {
+            v.clear();
+            v.resize(d * rows, 0.0);
+        }
+        self.scores.resize(TILE_KEYS * rows, 0.0);
+        self.keys.resize(TILE_KEYS * d, 0.0);
         self.values.resize(TILE_KEYS * d, 0.0);
-        self.stats.clear();
-        self.stats.resize(rows, SoftmaxStats::EMPTY);
+        self.softmax.reset(rows);
+        self.live_start.resize(rows, 0);
+        self.live_end.resize(rows, 0);
         self.row.resize(d, 0.0);
     }
 }
@@ -225,48 +236,74 @@ fn attend_block<T: Element, KV: Element, S: InnerLoops>(
 ) {
     let d = inputs.dims.head_dim;
     let group = inputs.dims.group_size();
-    let rows = task.tokens.len() * group;
-    out.fill(0.0);
     if task.keys.is_empty() {
+        out.fill(0.0);
         lse.fill(f32::NEG_INFINITY);
         return;
     }
+    let rows = (task.tokens.len() * group).div_ceil(ROWS) * ROWS;
     scratch.prepare(rows, d);
-    load_queries(inputs, task, &mut scratch.queries, &mut scratch.row);
+    load_queries(inputs, task, rows, scratch);
+    let Scratch {
+        q_t,
+        out_t,
+        scores,
+        keys: key_buffer,
+        values: value_buffer,
+        softmax,
+        live_start,
+        live_end,
+        ..
+    } = scratch;
     // Soft-capping of the base-2 scores: c·tanh(s/c) in natural units.
     let cap = inputs.softcap.map(|c| c * std::f32::consts::LOG2_E);
+    // Every row sees the keys from the last token's first to the first token's last.
+    let seen_by_all =
+        task.causal.keys(task.tokens.end - 1).start..task.causal.keys(task.tokens.start).end;
     for first in task.keys.clone().step_by(TILE_KEYS) {
         let keys = first..(first + TILE_KEYS).min(task.keys.end);
-        load_keys_t(inputs, task, keys.clone(), scratch);
-        load_values(inputs, task, keys.clone(), scratch);
         let n = keys.len();
-        tile_products::scores::<S>(
-            &scratch.queries,
-            &scratch.keys_t,
-            (d, TILE_KEYS, n),
-            &mut scratch.scores,
-        );
-        let rows_of_tile = scratch
-            .scores
-            .chunks_exact_mut(TILE_KEYS)
-            .zip(&mut scratch.stats)
-            .zip(out.chunks_exact_mut(d));
-        for (row, ((scores, stats), out)) in rows_of_tile.enumerate() {
-            let seen = task.causal.keys(task.tokens.start + row / group);
-            let live =
-                seen.start.saturating_sub(first).min(n)..seen.end.saturating_sub(first).min(n);
-            fold_scores::<S>(&mut scores[..n], live, cap, stats, out);
+        // The tile's rows as f32, borrowed where they are stored as f32, converted otherwise.
+        let mut key_rows: [&[f32]; TILE_KEYS] = [&[]; TILE_KEYS];
+        let mut value_rows: [&[f32]; TILE_KEYS] = [&[]; TILE_KEYS];
+        let buffers = key_buffer
+            .chunks_exact_mut(d)
+            .zip(value_buffer.chunks_exact_mut(d));
+        let tile_rows = key_rows.iter_mut().zip(&mut value_rows).zip(buffers);
+        for (((key, value), (key_buffer, value_buffer)), pos) in tile_rows.zip(keys.clone()) {
+            let at = inputs.kv_row(inputs.k_strides, task.batch, pos, task.kv_head);
+            *key = KV::row_f32(&inputs.k[at..at + d], key_buffer);
+            let at = inputs.kv_row(inputs.v_strides, task.batch, pos, task.kv_head);
+            *value = KV::row_f32(&inputs.v[at..at + d], value_buffer);
         }
-        tile_products::accumulate::<S>(&scratch.scores, &scratch.values, (d, TILE_KEYS, n), out);
+        // The score product takes keys in whole micro-tiles: repeat the last one to fill its
+        // micro-tile; those scores are never read.
+        let scored = n.div_ceil(BROADCASTS) * BROADCASTS;
+        let last = key_rows[n - 1];
+        key_rows[n..scored].fill(last);
+        tile_products::scores::<S>(q_t, &key_rows[..scored], rows, scores);
+        let tile_scores = &mut scores[..n * rows];
+        if let Some(c) = cap {
+            tile_scores
+                .iter_mut()
+                .for_each(|s| *s = c * (*s / c).tanh());
+        }
+        if keys.start < seen_by_all.start || keys.end > seen_by_all.end {
+            mask_unseen(task, keys, group, (live_start, live_end), tile_scores);
+        }
+        softmax.fold::<S>(scores, n, out_t);
+        tile_products::accumulate::<S>(scores, &value_rows[..n], rows, out_t);
     }
-    let rows_done = scratch.stats.iter().zip(out.chunks_exact_mut(d));
-    for ((stats, out), lse) in rows_done.zip(lse.iter_mut()) {
-        match stats.finish() {
+    for (row, (out, lse)) in out.chunks_exact_mut(d).zip(lse.iter_mut()).enumerate() {
+        match softmax.finish(row) {
             // The outputs are convex combinations of the stored values: scale them to the
             // real ones.
             Some((inv_sum, row_lse)) => {
                 let factor = inv_sum * inputs.v_scale;
-                out.iter_mut().for_each(|x| *x *= factor);
+                let column = out_t[row..].iter().step_by(rows);
+                for (o, &x) in out.iter_mut().zip(column) {
+                    *o = x * factor;
+                }
                 *lse = row_lse;
             }
             None => {
@@ -277,132 +314,61 @@ fn attend_block<T: Element, KV: Element, S: InnerLoops>(
     }
 }
 
-/// The task's queries as f32 rows (token-major, then group member), pre-multiplied by
-/// scale·log2(e) and the keys' scale, so that scores come out in base 2 against the real keys.
+/// The task's queries as f32, transposed into `scratch.q_t` (`d × rows`, row `i · group + m`
+/// being token `i` of the group's head `m`), pre-multiplied by scale·log2(e) and the keys'
+/// scale, so that scores come out in base 2 against the real keys.
 #[inline(always)]
 fn load_queries<T: Element, KV>(
     inputs: &DecodeInputs<'_, T, KV>,
     task: &Task,
-    queries: &mut [f32],
-    row: &mut [f32],
+    rows: usize,
+    scratch: &mut Scratch,
 ) {
     let d = inputs.dims.head_dim;
     let group = inputs.dims.group_size();
     let q_scale = inputs.softmax_scale * inputs.k_scale * std::f32::consts::LOG2_E;
-    for (i, query) in queries.chunks_exact_mut(d).enumerate() {
+    for i in 0..task.tokens.len() * group {
         let (token, member) = (task.tokens.start + i / group, i % group);
         let at = inputs
             .q_strides
             .row(task.batch, token, task.kv_head * group + member);
-        let q = T::row_f32(&inputs.q[at..at + d], row);
-        for (dst, &x) in query.iter_mut().zip(q) {
+        let q = T::row_f32(&inputs.q[at..at + d], &mut scratch.row);
+        for (dst, &x) in scratch.q_t[i..].iter_mut().step_by(rows).zip(q) {
             *dst = x * q_scale;
         }
     }
 }
 
-/// Keys `keys` of the task's sequence and kv head, as f32, transposed into `scratch.keys_t`.
+/// Sets to −inf the scores (`keys` × rows) of the tile's keys `keys` that a row does not see:
+/// past its own position or before its window. Rows past the block's last see none.
 #[inline(always)]
-fn load_keys_t<T, KV: Element>(
-    inputs: &DecodeInputs<'_, T, KV>,
+fn mask_unseen(
     task: &Task,
     keys: Range<usize>,
-    scratch: &mut Scratch,
-) {
-    let d = inputs.dims.head_dim;
-    for (j, pos) in keys.enumerate() {
-        let at = inputs.kv_row(inputs.k_strides, task.batch, pos, task.kv_head);
-        let key = KV::row_f32(&inputs.k[at..at + d], &mut scratch.row);
-        for (c, &x) in key.iter().enumerate() {
-            scratch.keys_t[c * TILE_KEYS + j] = x;
-        }
-    }
-}
-
-/// Values `keys` of the task's sequence and kv head, as f32 rows in `scratch.values`.
-#[inline(always)]
-fn load_values<T, KV: Element>(
-    inputs: &DecodeInputs<'_, T, KV>,
-    task: &Task,
-    keys: Range<usize>,
-    scratch: &mut Scratch,
-) {
-    let d = inputs.dims.head_dim;
-    for (value, pos) in scratch.values.chunks_exact_mut(d).zip(keys) {
-        let at = inputs.kv_row(inputs.v_strides, task.batch, pos, task.kv_head);
-        KV::to_f32_slice(&inputs.v[at..at + d], value);
-    }
-}
-
-/// Folds one row's scores of a tile into its running softmax: the scores outside `live` (keys
-/// the row does not see) become weights of 0, the others `exp2(score − max)`; the row's output
-/// `out` is rescaled when the maximum moves.
-#[inline(always)]
-fn fold_scores<S: InnerLoops>(
+    group: usize,
+    (live_start, live_end): (&mut [u32], &mut [u32]),
     scores: &mut [f32],
-    live: Range<usize>,
-    cap: Option<f32>,
-    stats: &mut SoftmaxStats,
-    out: &mut [f32],
 ) {
-    if live.is_empty() {
-        scores.fill(0.0);
-        return;
+    let real_rows = task.tokens.len() * group;
+    let bounds = live_start.iter_mut().zip(live_end.iter_mut());
+    for (row, (start, end)) in bounds.enumerate() {
+        let seen = if row < real_rows {
+            task.causal.keys(task.tokens.start + row / group)
+        } else {
+            0..0
+        };
+        // Offsets into the tile, within 0..=TILE_KEYS.
+        *start = (seen.start.clamp(keys.start, keys.end) - keys.start) as u32;
+        *end = (seen.end.clamp(keys.start, keys.end) - keys.start) as u32;
     }
-    let (before, rest) = scores.split_at_mut(live.start);
-    let (seen, after) = rest.split_at_mut(live.len());
-    before.fill(0.0);
-    after.fill(0.0);
-    if let Some(c) = cap {
-        seen.iter_mut().for_each(|s| *s = c * (*s / c).tanh());
-    }
-    let max = max_of(seen);
-    if max == f32::NEG_INFINITY {
-        seen.fill(0.0);
-        return;
-    }
-    let rescale = stats.raise_max(max);
-    if rescale != 1.0 {
-        out.iter_mut().for_each(|x| *x *= rescale);
-    }
-    let max = stats.max();
-    seen.iter_mut()
-        .for_each(|s| *s = S::exp2_nonpositive(*s - max));
-    stats.add_weight(sum_of(seen));
-}
-
-/// Independent accumulators of [`max_of`] and [`sum_of`], so that they run as vector operations
-/// rather than one dependent chain.
-const REDUCE_LANES: usize = 8;
-
-/// The largest of `xs`.
-#[inline(always)]
-fn max_of(xs: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; REDUCE_LANES];
-    let chunks = xs.chunks_exact(REDUCE_LANES);
-    let tail = chunks
-        .remainder()
-        .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max);
-    for chunk in chunks {
-        for (a, &x) in acc.iter_mut().zip(chunk) {
-            *a = a.max(x);
+    let rows = live_start.len();
+    for (j, scores) in scores.chunks_exact_mut(rows).enumerate() {
+        let j = j as u32;
+        let bounds = live_start.iter().zip(live_end.iter());
+        for (s, (&start, &end)) in scores.iter_mut().zip(bounds) {
+            if j < start || j >= end {
+                *s = f32::NEG_INFINITY;
+            }
         }
     }
-    acc.iter().copied().fold(tail, f32::max)
-}
-
-/// The sum of `xs`.
-#[inline(always)]
-fn sum_of(xs: &[f32]) -> f32 {
-    let mut acc = [0f32; REDUCE_LANES];
-    let chunks = xs.chunks_exact(REDUCE_LANES);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for chunk in chunks {
-        for (a, &x) in acc.iter_mut().zip(chunk) {
-            *a += x;
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

@@ -1,134 +1,141 @@
-//! The two matrix products of the tiled pass, register-blocked: the scores of a block of query
-//! rows against a tile of keys (`Q · Kᵀ`), and the probabilities of those rows times the tile's
-//! values added to their outputs (`O += P · V`).
+//! The two matrix products of the tiled pass, register-blocked and vectorised across query rows:
+//! the scores of a block of rows against a tile of keys (`S = K · Qᵀ`), and the tile's values
+//! weighted by the rows' probabilities added to their outputs (`Oᵀ += Vᵀ · P`).
 //!
-//! Each product walks micro-tiles of up to [`MICRO_ROWS`] rows by [`COLS`] columns whose sums
-//! live in registers for the whole inner loop: per step, one row of the other operand is loaded
-//! as [`COLS`]-wide vectors and each of the micro-tile's rows contributes one broadcast value.
-//! The loops have constant bounds, so the compiler unrolls them into vector multiply-adds.
+//! The block's queries, scores and outputs are stored transposed, one row of the block per
+//! column: `q_t` is `d × rows`, the scores `keys × rows`, the outputs `d × rows`; `rows` is a
+//! multiple of [`ROWS`]. Keys and values are rows of `d`, wherever they are stored. A micro-tile
+//! holds [`ROWS`] rows (three 8-wide vectors) by [`BROADCASTS`] keys or coordinates in
+//! registers; per step it loads [`ROWS`] contiguous values of the transposed operand and
+//! broadcasts one value of each of its keys or coordinates. The loops have constant bounds, so
+//! the compiler unrolls them into vector multiply-adds.
 
 use super::loops::InnerLoops;
 
-/// Columns of a micro-tile: two 8-wide vectors. Tiles of keys and every supported head dim are
-/// multiples of it.
-pub(super) const COLS: usize = 16;
+/// Query rows of a micro-tile: two 8-wide vectors.
+pub(super) const ROWS: usize = 2 * LANES;
 
-/// Rows of a micro-tile: with [`COLS`] columns, twelve 8-wide sums, which leaves registers for
-/// the loaded row and the broadcast value.
-const MICRO_ROWS: usize = 6;
+/// The width of the vectors the micro-tiles are written in.
+const LANES: usize = 8;
 
-/// `scores[r][j] = Σ_c queries[r][c] · keys_t[c][j]` for every row and the columns `0..cols`
-/// rounded up to [`COLS`].
-///
-/// - `queries`: rows × `d`, row-major;
-/// - `keys_t`: the tile's keys transposed, `d` × `tile` (row c holds coordinate c of each key);
-/// - `scores`: rows × `tile`; columns past `cols` may be written with whatever `keys_t` holds.
+/// [`LANES`] values that the inner loops treat as one vector register: written lane by lane,
+/// which the compiler turns into one vector instruction per operation.
+#[derive(Clone, Copy)]
+struct Lanes([f32; LANES]);
+
+impl Lanes {
+    const ZERO: Self = Self([0.0; LANES]);
+
+    #[inline(always)]
+    fn load(src: &[f32]) -> Self {
+        let mut lanes = [0f32; LANES];
+        lanes.copy_from_slice(&src[..LANES]);
+        Self(lanes)
+    }
+
+    #[inline(always)]
+    fn store(self, dst: &mut [f32]) {
+        dst[..LANES].copy_from_slice(&self.0);
+    }
+
+    /// `self + a · b`, lane by lane.
+    #[inline(always)]
+    fn mul_add<S: InnerLoops>(self, a: f32, b: Self) -> Self {
+        let mut out = self.0;
+        for (out, &b) in out.iter_mut().zip(&b.0) {
+            *out = S::mul_add(a, b, *out);
+        }
+        Self(out)
+    }
+}
+
+/// The [`ROWS`] values from `at`, as vectors.
 #[inline(always)]
-pub(super) fn scores<S: InnerLoops>(
-    queries: &[f32],
-    keys_t: &[f32],
-    (d, tile, cols): (usize, usize, usize),
-    scores: &mut [f32],
-) {
-    let rows = queries.len() / d;
-    let cols = cols.div_ceil(COLS) * COLS;
-    debug_assert!(cols <= tile && keys_t.len() >= d * tile && scores.len() >= rows * tile);
-    for first in (0..rows).step_by(MICRO_ROWS) {
-        let queries = &queries[first * d..];
-        let scores = &mut scores[first * tile..];
-        for col in (0..cols).step_by(COLS) {
-            let at = (d, tile, col);
-            match (rows - first).min(MICRO_ROWS) {
-                6 => scores_micro::<S, 6>(queries, keys_t, at, scores),
-                5 => scores_micro::<S, 5>(queries, keys_t, at, scores),
-                4 => scores_micro::<S, 4>(queries, keys_t, at, scores),
-                3 => scores_micro::<S, 3>(queries, keys_t, at, scores),
-                2 => scores_micro::<S, 2>(queries, keys_t, at, scores),
-                _ => scores_micro::<S, 1>(queries, keys_t, at, scores),
+fn load_rows(src: &[f32], at: usize) -> [Lanes; ROWS / LANES] {
+    std::array::from_fn(|v| Lanes::load(&src[at + v * LANES..]))
+}
+
+/// Writes [`ROWS`] values from `at`.
+#[inline(always)]
+fn store_rows(rows: &[Lanes; ROWS / LANES], dst: &mut [f32], at: usize) {
+    for (v, lanes) in rows.iter().enumerate() {
+        lanes.store(&mut dst[at + v * LANES..]);
+    }
+}
+
+/// Keys (for the scores) or coordinates (for the outputs) of a micro-tile: with [`ROWS`] rows,
+/// eight 8-wide sums, as many as keep both FMA units busy, few enough to stay in registers.
+pub(super) const BROADCASTS: usize = 4;
+
+/// `scores[j][r] = Σ_c keys[j][c] · q_t[c][r]` for every key (a multiple of [`BROADCASTS`]) and
+/// row.
+///
+/// - `q_t`: `d × rows`;
+/// - `keys`: rows of `d`;
+/// - `scores`: at least one row of `rows` per key.
+#[inline(always)]
+pub(super) fn scores<S: InnerLoops>(q_t: &[f32], keys: &[&[f32]], rows: usize, scores: &mut [f32]) {
+    let quads = keys
+        .chunks_exact(BROADCASTS)
+        .zip(scores.chunks_exact_mut(BROADCASTS * rows));
+    for (keys, scores) in quads {
+        let (k0, k1, k2, k3) = (keys[0], keys[1], keys[2], keys[3]);
+        for first in (0..rows).step_by(ROWS) {
+            let mut acc = [[Lanes::ZERO; ROWS / LANES]; BROADCASTS];
+            let steps = k0
+                .iter()
+                .zip(k1)
+                .zip(k2)
+                .zip(k3)
+                .zip(q_t.chunks_exact(rows));
+            for ((((&a, &b), &c), &e), q) in steps {
+                let q = load_rows(q, first);
+                for (acc, k) in acc.iter_mut().zip([a, b, c, e]) {
+                    for (acc, q) in acc.iter_mut().zip(q) {
+                        *acc = acc.mul_add::<S>(k, q);
+                    }
+                }
+            }
+            for (scores, acc) in scores.chunks_exact_mut(rows).zip(&acc) {
+                store_rows(acc, scores, first);
             }
         }
     }
 }
 
-/// [`scores`] for `R` rows and the [`COLS`] columns from `col`.
-#[inline(always)]
-fn scores_micro<S: InnerLoops, const R: usize>(
-    queries: &[f32],
-    keys_t: &[f32],
-    (d, tile, col): (usize, usize, usize),
-    scores: &mut [f32],
-) {
-    let queries: [&[f32]; R] = std::array::from_fn(|r| &queries[r * d..][..d]);
-    let mut acc = [[0f32; COLS]; R];
-    for c in 0..d {
-        let keys = &keys_t[c * tile + col..][..COLS];
-        for r in 0..R {
-            let q = queries[r][c];
-            for j in 0..COLS {
-                acc[r][j] = S::mul_add(q, keys[j], acc[r][j]);
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        scores[r * tile + col..][..COLS].copy_from_slice(acc);
-    }
-}
-
-/// `out[r][c] += Σ_{j < keys} probs[r][j] · values[j][c]` for every row and coordinate.
+/// `out_t[c][r] += Σ_j values[j][c] · probs[j][r]` for every coordinate and row.
 ///
-/// - `probs`: rows × `tile`, row-major;
-/// - `values`: at least `keys` rows of `d`;
-/// - `out`: rows × `d`.
+/// - `probs`: one row of `rows` per value;
+/// - `values`: rows of `d`;
+/// - `out_t`: `d × rows`.
 #[inline(always)]
 pub(super) fn accumulate<S: InnerLoops>(
     probs: &[f32],
-    values: &[f32],
-    (d, tile, keys): (usize, usize, usize),
-    out: &mut [f32],
+    values: &[&[f32]],
+    rows: usize,
+    out_t: &mut [f32],
 ) {
-    let rows = out.len() / d;
-    debug_assert!(probs.len() >= rows * tile && values.len() >= keys * d && d % COLS == 0);
-    for first in (0..rows).step_by(MICRO_ROWS) {
-        let probs = &probs[first * tile..];
-        let out = &mut out[first * d..];
-        for col in (0..d).step_by(COLS) {
-            let at = (d, tile, keys, col);
-            match (rows - first).min(MICRO_ROWS) {
-                6 => accumulate_micro::<S, 6>(probs, values, at, out),
-                5 => accumulate_micro::<S, 5>(probs, values, at, out),
-                4 => accumulate_micro::<S, 4>(probs, values, at, out),
-                3 => accumulate_micro::<S, 3>(probs, values, at, out),
-                2 => accumulate_micro::<S, 2>(probs, values, at, out),
-                _ => accumulate_micro::<S, 1>(probs, values, at, out),
+    let quads = out_t.chunks_exact_mut(BROADCASTS * rows).enumerate();
+    for (quad, out_t) in quads {
+        let coords = quad * BROADCASTS..(quad + 1) * BROADCASTS;
+        for first in (0..rows).step_by(ROWS) {
+            let mut acc = [[Lanes::ZERO; ROWS / LANES]; BROADCASTS];
+            for (acc, out) in acc.iter_mut().zip(out_t.chunks_exact(rows)) {
+                *acc = load_rows(out, first);
+            }
+            let steps = probs.chunks_exact(rows).zip(values);
+            for (p, v) in steps {
+                let p = load_rows(p, first);
+                for (acc, &v) in acc.iter_mut().zip(&v[coords.clone()]) {
+                    for (acc, p) in acc.iter_mut().zip(p) {
+                        *acc = acc.mul_add::<S>(v, p);
+                    }
+                }
+            }
+            for (out, acc) in out_t.chunks_exact_mut(rows).zip(&acc) {
+                store_rows(acc, out, first);
             }
         }
-    }
-}
-
-/// [`accumulate`] for `R` rows and the [`COLS`] coordinates from `col`.
-#[inline(always)]
-fn accumulate_micro<S: InnerLoops, const R: usize>(
-    probs: &[f32],
-    values: &[f32],
-    (d, tile, keys, col): (usize, usize, usize, usize),
-    out: &mut [f32],
-) {
-    let probs: [&[f32]; R] = std::array::from_fn(|r| &probs[r * tile..][..keys]);
-    let mut acc = [[0f32; COLS]; R];
-    for (r, acc) in acc.iter_mut().enumerate() {
-        acc.copy_from_slice(&out[r * d + col..][..COLS]);
-    }
-    for j in 0..keys {
-        let value = &values[j * d + col..][..COLS];
-        for r in 0..R {
-            let p = probs[r][j];
-            for i in 0..COLS {
-                acc[r][i] = S::mul_add(p, value[i], acc[r][i]);
-            }
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        out[r * d + col..][..COLS].copy_from_slice(acc);
     }
 }
 
@@ -149,37 +156,41 @@ mod tests {
             .collect()
     }
 
-    /// Every row count up to two micro-tiles and a ragged column count, against plain sums.
+    /// One and two micro-tiles of rows, against plain sums; the values of a ragged count of keys.
     #[test]
     fn products_match_plain_sums() {
-        let (d, tile) = (80, 48);
-        for rows in 1..=2 * MICRO_ROWS + 1 {
-            let queries = sequence(rows * d, 7);
-            let keys_t = sequence(d * tile, 11);
-            let cols = 37;
-            let mut got = vec![f32::NAN; rows * tile];
-            scores::<Portable>(&queries, &keys_t, (d, tile, cols), &mut got);
-            for r in 0..rows {
-                for j in 0..cols {
-                    let want: f32 = (0..d)
-                        .map(|c| queries[r * d + c] * keys_t[c * tile + j])
-                        .sum();
-                    assert!((got[r * tile + j] - want).abs() < 1e-4, "scores {r},{j}");
+        let (d, n, tile) = (80, 37, 40);
+        for rows in [ROWS, 2 * ROWS] {
+            let q_t = sequence(d * rows, 7);
+            let keys = sequence(tile * d, 11);
+            let key_rows: Vec<&[f32]> = keys.chunks_exact(d).collect();
+            let mut got = vec![f32::NAN; tile * rows];
+            scores::<Portable>(&q_t, &key_rows, rows, &mut got);
+            for j in 0..tile {
+                for r in 0..rows {
+                    let want: f32 = (0..d).map(|c| keys[j * d + c] * q_t[c * rows + r]).sum();
+                    assert!((got[j * rows + r] - want).abs() < 1e-4, "scores {j},{r}");
                 }
             }
 
-            let probs = sequence(rows * tile, 13);
+            // Probabilities past the n-th key hold NaN, which must not be read.
+            let mut probs = sequence(tile * rows, 13);
+            probs[n * rows..].fill(f32::NAN);
             let values = sequence(tile * d, 17);
-            let start = sequence(rows * d, 19);
-            let mut out = start.clone();
-            accumulate::<Portable>(&probs, &values, (d, tile, cols), &mut out);
-            for r in 0..rows {
-                for c in 0..d {
-                    let want = start[r * d + c]
-                        + (0..cols)
-                            .map(|j| probs[r * tile + j] * values[j * d + c])
+            let start = sequence(d * rows, 19);
+            let mut out_t = start.clone();
+            let value_rows: Vec<&[f32]> = values.chunks_exact(d).take(n).collect();
+            accumulate::<Portable>(&probs, &value_rows, rows, &mut out_t);
+            for c in 0..d {
+                for r in 0..rows {
+                    let want = start[c * rows + r]
+                        + (0..n)
+                            .map(|j| values[j * d + c] * probs[j * rows + r])
                             .sum::<f32>();
-                    assert!((out[r * d + c] - want).abs() < 1e-4, "accumulate {r},{c}");
+                    assert!(
+                        (out_t[c * rows + r] - want).abs() < 1e-4,
+                        "accumulate {c},{r}"
+                    );
                 }
             }
         }

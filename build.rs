@@ -279,7 +279,10 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     let table_target = instances
         .iter()
         .find(|i| i.form.arch.is_some())
-        .map_or_else(|| format!("compute_{compute_cap}"), |i| i.form.target(&compute_cap));
+        .map_or_else(
+            || format!("compute_{compute_cap}"),
+            |i| i.form.target(&compute_cap),
+        );
     jobs.push((table_source, table_ptx.clone(), table_target));
     compile_all(&nvcc, &jobs)?;
 

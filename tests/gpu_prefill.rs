@@ -303,7 +303,10 @@ fn gpu_prefill_fp8() -> Result<()> {
                     .forward_with_lse(&q, &k8, &v8)?;
                 let form = last_attention_form().unwrap_or("none");
                 let what = format!("fp8 {shape:?} ({form}) splits {n:?}");
-                assert!(form.starts_with("prefill_") && form.contains("kv_f8e4m3"), "{what}");
+                assert!(
+                    form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
+                    "{what}"
+                );
                 assert_close(&what, &out, &want.out, dtype)?;
                 assert_lse_close(&what, &lse, &want.lse, dtype)?;
             }
@@ -397,7 +400,9 @@ fn gpu_prefill_route_rule() -> Result<()> {
         ..Shape::new(16, t, (64, 8, 64), 256)
     };
     assert_eq!(form(f32_shape(8))?, "decode");
-    let err = form(f32_shape(MAX_QUERY_TOKENS + 1)).unwrap_err().to_string();
+    let err = form(f32_shape(MAX_QUERY_TOKENS + 1))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("f16 or bf16"), "{err}");
     Ok(())
 }

@@ -5,8 +5,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
-use super::prefill::{self, PrefillFamily};
 use super::decode;
+use super::prefill::{self, PrefillFamily};
 use crate::op::call::DecodeCall;
 use crate::op::plan::SplitPlan;
 

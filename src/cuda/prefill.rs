@@ -10,8 +10,8 @@ use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::kernels::{CombineParams, KernelForm, KernelSpec, PrefillParams};
 use super::decode::{check_alignment, u32_ptr};
+use super::kernels::{CombineParams, KernelForm, KernelSpec, PrefillParams};
 use super::launch::{device_ptr, resident_ctas, Residency};
 use crate::op::call::{CudaKernel, DecodeCall};
 use crate::op::page_divisor::PageDivisor;
@@ -145,7 +145,12 @@ fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
 
 /// Whether the sm_90a form is compiled for the call and runs on `dev`: its PTX targets the
 /// architecture-specific sm_90a, which only a compute capability 9.0 device loads.
-fn wgmma_covers(call: &DecodeCall, dev: &CudaDevice, dtype: DType, kv_dtype: DType) -> Result<bool> {
+fn wgmma_covers(
+    call: &DecodeCall,
+    dev: &CudaDevice,
+    dtype: DType,
+    kv_dtype: DType,
+) -> Result<bool> {
     if kv_dtype != dtype || call.window_left.is_some() || call.softcap.is_some() {
         return Ok(false);
     }

@@ -458,9 +458,10 @@ fn gpu_rejects_bad_inputs() -> Result<()> {
     let err = candle_splitkv::flash_decode(&q, &k_cpu, &v, 1.0).unwrap_err();
     assert!(err.to_string().contains("same device"), "{err}");
     let k = Tensor::zeros((1, 16, 8, 64), DType::F32, &dev)?;
+    // More query tokens than the decode kernels take run the prefill kernels: 16-bit only.
     let q17 = Tensor::zeros((1, 17, 8, 64), DType::F32, &dev)?;
     let err = candle_splitkv::flash_decode(&q17, &k, &v, 1.0).unwrap_err();
-    assert!(err.to_string().contains("q_len = 17"), "{err}");
+    assert!(err.to_string().contains("f16 or bf16"), "{err}");
     let seqlens_cpu = Tensor::new(&[3u32], &Device::Cpu)?;
     let err = candle_splitkv::flash_decode_varlen(&q, &k, &v, &seqlens_cpu, 1.0).unwrap_err();
     assert!(

@@ -61,7 +61,7 @@ pub(crate) fn route(
             let decode_takes = t <= MAX_QUERY_TOKENS
                 && (call.cuda_kernel == CudaKernel::CudaCore
                     || !decode_falls_behind(call, dev)?
-                    || !KernelForm::Prefill.compiled_for(dtype, kv_dtype));
+                    || !KernelForm::PrefillMma.compiled_for(dtype, kv_dtype));
             if decode_takes {
                 return Ok(None);
             }
@@ -100,10 +100,10 @@ pub(crate) fn route(
     let form = match (family, windowed, paged) {
         (PrefillFamily::Wgmma, _, false) => KernelForm::PrefillSm90,
         (PrefillFamily::Wgmma, _, true) => KernelForm::PrefillSm90Paged,
-        (PrefillFamily::MmaSync, false, false) => KernelForm::Prefill,
-        (PrefillFamily::MmaSync, true, false) => KernelForm::PrefillWindowed,
-        (PrefillFamily::MmaSync, false, true) => KernelForm::PrefillPaged,
-        (PrefillFamily::MmaSync, true, true) => KernelForm::PrefillWindowedPaged,
+        (PrefillFamily::MmaSync, false, false) => KernelForm::PrefillMma,
+        (PrefillFamily::MmaSync, true, false) => KernelForm::PrefillMmaWindowed,
+        (PrefillFamily::MmaSync, false, true) => KernelForm::PrefillMmaPaged,
+        (PrefillFamily::MmaSync, true, true) => KernelForm::PrefillMmaWindowedPaged,
     };
     match form.find(dtype, kv_dtype, call.dims.head_dim, 0) {
         Some(spec) => Ok(Some(spec)),

@@ -303,7 +303,7 @@ fn gpu_query_tokens_match_cpu_and_one_token() -> Result<()> {
 /// Past [`MAX_QUERY_TOKENS`] the CUDA path refuses the call with a message that names both
 /// limits, where the CPU runs it.
 #[test]
-fn gpu_more_query_tokens_than_the_kernels_take_is_an_error() -> Result<()> {
+fn gpu_more_f32_query_tokens_than_the_decode_kernels_take_is_an_error() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let shape = Shape {
         b: 1,
@@ -312,15 +312,15 @@ fn gpu_more_query_tokens_than_the_kernels_take_is_an_error() -> Result<()> {
         h_kv: 2,
         d: 64,
         l: 100,
-        dtype: DType::F16,
+        dtype: DType::F32,
     };
     let (q, k, v) = shape.qkv(&dev)?;
     let err = candle_splitkv::flash_decode(&q, &k, &v, shape.scale())
-        .expect_err("CUDA takes at most MAX_QUERY_TOKENS query tokens")
+        .expect_err("f32 on CUDA takes at most MAX_QUERY_TOKENS query tokens")
         .to_string();
     assert!(
-        err.contains(&format!("at most {MAX_QUERY_TOKENS} query tokens"))
-            && err.contains("the CPU takes any number"),
+        err.contains(&format!("more than {MAX_QUERY_TOKENS} query tokens"))
+            && err.contains("take f16 or bf16 q"),
         "unexpected error: {err}"
     );
     let on_cpu = candle_splitkv::flash_decode(

@@ -101,9 +101,8 @@
 //!
 //! # Features
 //!
-//! - `models` (default): the model stack above, and the summarizer's building blocks
-//!   ([`summarize`]). Without it the crate is the op, the caches, the attention layer and the
-//!   fused projections.
+//! - `models` (default): the model stack above. Without it the crate is the op, the caches,
+//!   the attention layer and the fused projections.
 //! - `cuda`: the CUDA kernels, compiled by `nvcc` for the compute capability in
 //!   `CUDA_COMPUTE_CAP` (80 or later, e.g. `90`), or else that of the GPU `nvidia-smi` finds at
 //!   build time.

@@ -1,5 +1,6 @@
 //! Our Llama against candle-transformers' Llama on the same random weights, on the CPU, in f32:
 //! the logits of a prompt and of 32 greedy decode steps agree to 1e-4, and so do the tokens.
+//! And `Llama::forward_with_lse` against `Llama::forward`.
 
 mod common;
 
@@ -10,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use candle_splitkv::AttentionBackend;
 use candle_transformers::models::llama as stock;
-use common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, VOCAB};
+use common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, HEADS, LAYERS, VOCAB};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 const TOLERANCE: f32 = 1e-4;
@@ -165,5 +166,33 @@ fn forward_rejects_bad_input() -> Result<()> {
         AttentionBackend::SplitKv,
     );
     assert!(missing.is_err());
+    Ok(())
+}
+
+/// `forward_with_lse` gives the logits of `forward` bit for bit, with one finite LSE
+/// `(1, heads, 1)` per layer for a decode step, and none for a prompt longer than the op takes.
+#[test]
+fn forward_with_lse_gives_the_logits_of_forward_and_an_lse_per_layer() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    write_tiny_model(dir.path())?;
+    let load = || Llama::load_with(dir.path(), &Device::Cpu, LoadOptions::default());
+    let (mut plain, mut recording) = (load()?.model, load()?.model);
+    let prompt: Vec<u32> = (3..40).collect();
+    assert!(prompt.len() > candle_splitkv::MAX_QUERY_TOKENS);
+    let (logits, lse) = recording.forward_with_lse(&prompt)?;
+    assert!(lse.is_empty(), "the prompt does not run the op");
+    assert_eq!(max_abs_diff(&logits, &plain.forward(&prompt)?)?, 0.0);
+    for token in [5, 9, 200] {
+        let want = plain.forward(&[token])?;
+        let (got, lse) = recording.forward_with_lse(&[token])?;
+        assert_eq!(max_abs_diff(&got, &want)?, 0.0);
+        assert_eq!(lse.len(), LAYERS);
+        for layer in &lse {
+            assert_eq!(layer.dims(), [1, HEADS, 1]);
+            let values = layer.flatten_all()?.to_vec1::<f32>()?;
+            assert!(values.iter().all(|x| x.is_finite()), "{values:?}");
+        }
+    }
+    assert_eq!(recording.cache_len(), plain.cache_len());
     Ok(())
 }

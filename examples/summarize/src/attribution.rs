@@ -15,9 +15,9 @@ const SOURCE_REACH: usize = 10;
 /// The words of a sentence checked around each name or number: this many on either side.
 const SENTENCE_REACH: usize = 3;
 
-/// A sentence may use a few content words its source lacks (a rewrite says `built` where the
-/// source says `constructed`), but not more than this share of them: a sentence made of its own
-/// words says something its source did not.
+/// A sentence may use a few content words the source sentence it rewrites lacks (a rewrite says
+/// `built` where the source says `constructed`), but not more than this share of them: a sentence
+/// made of its own words, or of another sentence's, says something its source did not.
 const MAX_NEW_WORD_SHARE: f64 = 0.2;
 
 /// Words are compared by their first letters, so that `flooded` matches `floods`.
@@ -142,8 +142,8 @@ pub(crate) struct Attributions {
     anchors: HashMap<String, Vec<usize>>,
     /// The quantities each number appears as.
     quantities: HashMap<String, Vec<Quantity>>,
-    /// The stems of all its words.
-    stems: HashSet<String>,
+    /// The stems of the words of each of its sentences.
+    sentence_stems: Vec<HashSet<String>>,
 }
 
 impl Attributions {
@@ -159,18 +159,25 @@ impl Attributions {
         for (number, quantity) in quantities {
             by_number.entry(number).or_default().push(quantity);
         }
-        let stems = words.iter().filter_map(|word| word.stem.clone()).collect();
+        let mut sentence_stems: Vec<HashSet<String>> = Vec::new();
+        for word in &words {
+            if sentence_stems.len() <= word.sentence {
+                sentence_stems.resize_with(word.sentence + 1, HashSet::new);
+            }
+            if let Some(stem) = &word.stem {
+                sentence_stems[word.sentence].insert(stem.clone());
+            }
+        }
         Self {
             words,
             anchors,
             quantities: by_number,
-            stems,
+            sentence_stems,
         }
     }
 
     /// Whether `sentence` says what the source says:
-    /// - its names and numbers stand together in one sentence of the source;
-    /// - most of its content words are in the source;
+    /// - one sentence of the source holds its names and numbers and most of its content words;
     /// - a number with a currency or a unit appears in the source with the same ones;
     /// - each content word within a few words of a name or number in the sentence stands within
     ///   a few words of that name or number somewhere in the source.
@@ -191,14 +198,8 @@ impl Attributions {
                 })
             })
         });
-        let content = words.iter().filter_map(|word| word.stem.as_ref());
-        let (total, new) = content.fold((0, 0), |(total, new), stem| {
-            (total + 1, new + usize::from(!self.stems.contains(stem)))
-        });
-        let words_hold = new as f64 <= MAX_NEW_WORD_SHARE * total as f64;
-        words_hold
-            && quantities_hold
-            && self.in_one_sentence(&words)
+        quantities_hold
+            && self.one_sentence_holds(&words)
             && words.iter().enumerate().all(|(i, word)| {
                 let Some(anchor) = &word.anchor else {
                     return true;
@@ -218,23 +219,38 @@ impl Attributions {
     }
 
     /// Whether one sentence of the source holds all the names and numbers of `words` that the
-    /// source has: a sentence that takes them from two says something neither of them says.
-    fn in_one_sentence(&self, words: &[Word]) -> bool {
-        let mut common: Option<HashSet<usize>> = None;
+    /// source has, and all but a few of their content words: a sentence that takes them from two
+    /// says something neither of them says.
+    fn one_sentence_holds(&self, words: &[Word]) -> bool {
+        // The sentences that hold every known name and number.
+        let mut holding: Option<HashSet<usize>> = None;
         for anchor in words.iter().filter_map(|word| word.anchor.as_ref()) {
             let Some(positions) = self.anchors.get(anchor) else {
                 continue;
             };
-            let holding: HashSet<usize> = positions
+            let with_it: HashSet<usize> = positions
                 .iter()
                 .map(|&at| self.words[at].sentence)
                 .collect();
-            common = Some(match common {
-                None => holding,
-                Some(common) => common.intersection(&holding).copied().collect(),
+            holding = Some(match holding {
+                None => with_it,
+                Some(holding) => holding.intersection(&with_it).copied().collect(),
             });
         }
-        common.is_none_or(|common| !common.is_empty())
+        let stems: Vec<&String> = words.iter().filter_map(|word| word.stem.as_ref()).collect();
+        if stems.is_empty() {
+            return holding.is_none_or(|holding| !holding.is_empty());
+        }
+        let most_new = MAX_NEW_WORD_SHARE * stems.len() as f64;
+        let holds = |sentence: usize| {
+            let own = &self.sentence_stems[sentence];
+            let new = stems.iter().filter(|stem| !own.contains(**stem)).count();
+            new as f64 <= most_new
+        };
+        match holding {
+            Some(holding) => holding.into_iter().any(holds),
+            None => (0..self.sentence_stems.len()).any(holds),
+        }
     }
 
     /// Whether a word with `stem` stands near `anchor` anywhere in the source.
@@ -310,6 +326,10 @@ mod tests {
         );
         assert!(!source.supports(
             "Tidewell refunded 0.6 million euros of lease fees to the town of 1.7 million euros."
+        ));
+        // A splice whose second half has no name or number.
+        assert!(!source.supports(
+            "Tidewell refunded 0.6 million euros of lease fees and the town paid its own share."
         ));
         // Each sentence rewritten alone is.
         assert!(source.supports("Tidewell refunded 0.6 million euros of lease fees in 2021."));

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use super::attribution::Attributions;
 use super::mentions::{mentions, Mention};
 use super::pronoun_subjects::{opens_with_pronoun, standalone_sentences};
-use super::sentences::sentences;
+use super::sentences::{opens_with_capital, sentences};
 
 /// How a statement ends; a source's headings and fragments stand in for no sentence.
 const STATEMENT_ENDS: [char; 6] = ['.', '!', '?', '"', '\u{201d}', ')'];
@@ -121,8 +121,9 @@ impl Grounding {
     }
 
     /// `text` checked sentence by sentence. A sentence that states an ungrounded mention is
-    /// dropped. A grounded sentence that the source does not support (see [`Grounding`]), or
-    /// whose subject is a pronoun where the sentence before it was not kept as written, is
+    /// dropped. A grounded sentence that the source does not support (see [`Grounding`]), that
+    /// opens with no capital letter (a fragment), or whose subject is a pronoun where the
+    /// sentence before it was not kept as written, is
     /// replaced by the source's sentence that shares the most names and numbers with it, unless
     /// that one is already in the text; it is dropped when none shares any. Each kept sentence
     /// keeps the whitespace after it (a replacement: one space). [`Grounding::stream`] checks a
@@ -197,6 +198,7 @@ impl GroundedStream<'_> {
                 checked.dropped += 1;
                 false
             } else if grounding.attributions.supports(sentence)
+                && opens_with_capital(sentence)
                 && (self.previous_kept || !opens_with_pronoun(sentence))
             {
                 checked.text.push_str(sentence);
@@ -401,5 +403,19 @@ mod tests {
         assert_eq!(streamed, grounding.keep_grounded(&pieces.concat()).text);
         // A pronoun opening a piece still follows the sentence kept before it.
         assert!(streamed.starts_with("The barrier cost £412 million. It protects 18,600 homes."));
+    }
+
+    #[test]
+    fn a_fragment_gives_way_to_the_sentence_it_was_cut_from() {
+        let grounding = Grounding::new(
+            "The weights are about 0.087 and 0.032. The output is about 0.87 plus 4.74 plus 19.32 \
+             plus 1.28, which is roughly 26.2.",
+        );
+        assert_eq!(
+            grounding
+                .keep_grounded("19.32 plus 1.28, which is roughly 26.2.")
+                .text,
+            "The output is about 0.87 plus 4.74 plus 19.32 plus 1.28, which is roughly 26.2. "
+        );
     }
 }

@@ -378,9 +378,9 @@ mod tests {
     use super::*;
     use crate::test_tokenizer::word_tokenizer;
 
-    /// One paragraph of `words` one-token words, ending a sentence.
+    /// One paragraph of `words` one-token words, one sentence.
     fn paragraph(words: usize) -> String {
-        format!("{}.", vec!["w"; words].join(" "))
+        format!("W{}.", " w".repeat(words - 1))
     }
 
     fn paragraphs(count: usize, words: usize) -> Vec<String> {
@@ -540,7 +540,7 @@ mod tests {
 
     /// A sentence of `words` words in all, stating `fact` (a number or a name) at its end.
     fn fact_sentence(words: usize, fact: &str) -> String {
-        format!("{} {fact}.", vec!["w"; words - 1].join(" "))
+        format!("W{} {fact}.", " w".repeat(words - 2))
     }
 
     #[test]
@@ -625,14 +625,14 @@ mod tests {
         assert_eq!(prompts.len(), 3);
         // 2019 is in the document, but not in the first chunk, whose summary the first answer is.
         let answers = [
-            "w in 1987. w in 2019.".to_string(),
-            "w in 2019.".to_string(),
-            "w in 1999.".to_string(),
+            "W in 1987. W in 2019.".to_string(),
+            "W in 2019.".to_string(),
+            "W in 1999.".to_string(),
         ];
         let Round::Final { prompt, .. } = plan.next_round(&answers).unwrap() else {
             panic!("expected the final summary");
         };
-        let kept = "w in 1987.\n\nw in 2019.";
+        let kept = "W in 1987.\n\nW in 2019.";
         assert_eq!(
             prompt,
             encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Summaries(kept)).unwrap()

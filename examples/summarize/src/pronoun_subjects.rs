@@ -78,6 +78,12 @@ const AFTER_DEMONSTRATIVE_PRONOUNS: &[&str] = &[
     "might", "must", "of", "should", "was", "we", "were", "which", "who", "will", "would",
 ];
 
+/// Words that stand for a noun of the sentence before after `the`, when a verb follows them (`The
+/// first was...`, `The latter is...`).
+const ELLIPTIC_AFTER_THE: &[&str] = &[
+    "first", "former", "last", "latter", "other", "same", "second", "third",
+];
+
 /// Words after which `it` may be empty: `It is worth...`, `It seems that...`.
 const AFTER_EMPTY_IT: &[&str] = &[
     "appears", "appeared", "is", "remains", "remained", "s", "seems", "seemed", "was",
@@ -200,6 +206,14 @@ fn pronoun_subject(sentence: &str) -> Option<Pronoun> {
         "their" => (Referent::Other, true),
         "this" | "that" | "these" | "those"
             if AFTER_DEMONSTRATIVE_PRONOUNS.contains(&next.as_str()) =>
+        {
+            (Referent::Other, false)
+        }
+        // "The first was a near miss": the noun is in the sentence before.
+        "the"
+            if ELLIPTIC_AFTER_THE.contains(&next.as_str())
+                && AFTER_DEMONSTRATIVE_PRONOUNS
+                    .contains(&lower(subject + 2).unwrap_or_default().as_str()) =>
         {
             (Referent::Other, false)
         }
@@ -349,6 +363,10 @@ mod tests {
                 "Those who lived through that night describe it in similar terms.",
                 "Mr Fairweather gave evidence.",
             ),
+            (
+                "The first was a near miss in January 2007.",
+                "Two events changed the debate.",
+            ),
             // The sentence before is a heading, or opens with no name.
             ("He chaired the panel.", "## 3. Professor Kowalczyk"),
             ("He chaired the panel.", "In November 1987 the sea came in."),
@@ -370,6 +388,7 @@ mod tests {
             "That recommendation led, in 1991, to the creation of the Authority.",
             "In that time we read more than four hundred documents.",
             "Hers was the loudest voice.",
+            "The first study was completed in 1994.",
             "\"The barrier held,\" she said.",
         ] {
             assert!(!opens_with_pronoun(sentence), "{sentence}");

@@ -66,6 +66,16 @@ pub(crate) fn last_sentence_end(text: &str) -> Option<usize> {
         .find_map(|(at, _)| sentence_end_at(text, at))
 }
 
+/// Whether `sentence` opens as a sentence does, with a capital letter (after any opening quote or
+/// bracket): a fragment left where a sentence was cut (`19.32 plus 1.28, which is roughly 26.2.`)
+/// does not.
+pub(crate) fn opens_with_capital(sentence: &str) -> bool {
+    sentence
+        .chars()
+        .find(|c| c.is_alphanumeric())
+        .is_some_and(char::is_uppercase)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,6 +115,17 @@ mod tests {
         assert_eq!(last_sentence_end("Yes.\" No"), Some(5));
         assert_eq!(last_sentence_end("A. B.\""), Some(2));
         assert_eq!(last_sentence_end("no end"), None);
+    }
+
+    #[test]
+    fn a_fragment_does_not_open_with_a_capital() {
+        assert!(opens_with_capital("The output is about 26.2."));
+        assert!(opens_with_capital(" \"\u{c9}lodie agreed.\""));
+        assert!(!opens_with_capital(
+            "19.32 plus 1.28, which is roughly 26.2."
+        ));
+        assert!(!opens_with_capital("g. the barrier."));
+        assert!(!opens_with_capital(""));
     }
 
     #[test]

@@ -253,7 +253,15 @@ fn fp8_kv_cache_summarizes_and_reports_its_dtype() {
     let dir = scratch_dir("fp8");
     let document = dir.join("library.txt");
     std::fs::write(&document, SHORT_DOCUMENT).unwrap();
-    let output = summarize(&[document.to_str().unwrap(), "--json", "--kv-dtype", "fp8"]);
+    // This checks the fp8 cache end to end, not the grounding filter (tested on its own): the
+    // small default model's fp8 summary of this short text can lose every sentence to it.
+    let output = summarize(&[
+        document.to_str().unwrap(),
+        "--json",
+        "--kv-dtype",
+        "fp8",
+        "--keep-ungrounded",
+    ]);
     let stderr = text(&output.stderr);
     assert!(
         output.status.success(),

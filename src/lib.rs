@@ -1,10 +1,12 @@
-//! Split-KV FlashAttention for the decode step in [Candle](https://github.com/huggingface/candle),
-//! with the KV caches and the attention layer a candle model needs to use it.
+//! Split-KV FlashAttention for [Candle](https://github.com/huggingface/candle), with the KV
+//! caches and the attention layer a candle model needs to use it.
 //!
 //! At decode time each sequence contributes one query token, so attention is a long, thin read of
 //! the KV cache. The op cuts the cache into chunks ("splits") that run in parallel, each producing
-//! a partial output and its log-sum-exp, then merges them. On CUDA it runs the crate's own
-//! kernels; on the CPU a multi-threaded implementation of the same algorithm.
+//! a partial output and its log-sum-exp, then merges them. The same op takes a few query tokens
+//! (drafts to verify) or a whole prompt (a causal prefill, with kernels of its own on CUDA). On
+//! CUDA it runs the crate's own kernels; on the CPU a multi-threaded implementation of the same
+//! algorithm.
 //!
 //! # The op
 //!

@@ -4,8 +4,8 @@
 //! each layer's split-KV attention returns, per query head, the natural-log sum of its
 //! exponentiated scores (LSE). The map has one column per step and one row per (layer, head),
 //! layers separated by a line; colour runs from dark (low LSE) to bright yellow (high), over the
-//! range of the whole map. NaN and ±inf cells are green. See the README's "LSE heatmap" section
-//! for what a healthy map looks like.
+//! range of the whole map. NaN and ±inf cells are green. docs/models.md ("Debugging attention:
+//! the LSE heatmap") shows what a healthy map looks like.
 //!
 //! ```text
 //! cargo run --release --example lse_heatmap -- examples/data/split-kv-decoding.md --out lse.png

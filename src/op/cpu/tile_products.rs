@@ -5,19 +5,15 @@
 //! The block's queries, scores and outputs are stored transposed, one row of the block per
 //! column: `q_t` is `d × rows`, the scores `keys × rows`, the outputs `d × rows`; `rows` is a
 //! multiple of [`ROWS`]. Keys and values are rows of `d`, wherever they are stored. A micro-tile
-//! holds [`ROWS`] rows by [`BROADCASTS`] keys or coordinates in registers; per step it loads
-//! [`ROWS`] contiguous values of the transposed operand and broadcasts one value of each of its
-//! keys or coordinates. The arithmetic is written over [`LANES`]-wide arrays, which the compiler
-//! turns into one vector instruction per operation.
+//! holds [`ROWS`] rows (three 8-wide vectors) by [`BROADCASTS`] keys or coordinates in
+//! registers; per step it loads [`ROWS`] contiguous values of the transposed operand and
+//! broadcasts one value of each of its keys or coordinates. The loops have constant bounds, so
+//! the compiler unrolls them into vector multiply-adds.
 
 use super::loops::InnerLoops;
 
 /// Query rows of a micro-tile: two 8-wide vectors.
 pub(super) const ROWS: usize = 2 * LANES;
-
-/// Keys (for the scores) or coordinates (for the outputs) of a micro-tile: with [`ROWS`] rows,
-/// eight 8-wide sums, as many as keep both FMA units busy, few enough to stay in registers.
-pub(super) const BROADCASTS: usize = 4;
 
 /// The width of the vectors the micro-tiles are written in.
 const LANES: usize = 8;
@@ -56,11 +52,7 @@ impl Lanes {
 /// The [`ROWS`] values from `at`, as vectors.
 #[inline(always)]
 fn load_rows(src: &[f32], at: usize) -> [Lanes; ROWS / LANES] {
-    let mut rows = [Lanes::ZERO; ROWS / LANES];
-    for (v, lanes) in rows.iter_mut().enumerate() {
-        *lanes = Lanes::load(&src[at + v * LANES..]);
-    }
-    rows
+    std::array::from_fn(|v| Lanes::load(&src[at + v * LANES..]))
 }
 
 /// Writes [`ROWS`] values from `at`.
@@ -70,6 +62,10 @@ fn store_rows(rows: &[Lanes; ROWS / LANES], dst: &mut [f32], at: usize) {
         lanes.store(&mut dst[at + v * LANES..]);
     }
 }
+
+/// Keys (for the scores) or coordinates (for the outputs) of a micro-tile: with [`ROWS`] rows,
+/// eight 8-wide sums, as many as keep both FMA units busy, few enough to stay in registers.
+pub(super) const BROADCASTS: usize = 4;
 
 /// `scores[j][r] = Σ_c keys[j][c] · q_t[c][r]` for every key (a multiple of [`BROADCASTS`]) and
 /// row.

@@ -170,7 +170,7 @@ fn forward_rejects_bad_input() -> Result<()> {
 }
 
 /// `forward_with_lse` gives the logits of `forward` bit for bit, with one finite LSE
-/// `(1, heads, 1)` per layer for a decode step, and none for a prompt longer than the op takes.
+/// `(1, heads, t)` per layer, for a prompt (which the CPU op takes whole) and for decode steps.
 #[test]
 fn forward_with_lse_gives_the_logits_of_forward_and_an_lse_per_layer() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -179,19 +179,23 @@ fn forward_with_lse_gives_the_logits_of_forward_and_an_lse_per_layer() -> Result
     let (mut plain, mut recording) = (load()?.model, load()?.model);
     let prompt: Vec<u32> = (3..40).collect();
     assert!(prompt.len() > candle_splitkv::MAX_QUERY_TOKENS);
+    let check_lse = |lse: &[Tensor], t: usize| -> Result<()> {
+        assert_eq!(lse.len(), LAYERS);
+        for layer in lse {
+            assert_eq!(layer.dims(), [1, HEADS, t]);
+            let values = layer.flatten_all()?.to_vec1::<f32>()?;
+            assert!(values.iter().all(|x| x.is_finite()), "{values:?}");
+        }
+        Ok(())
+    };
     let (logits, lse) = recording.forward_with_lse(&prompt)?;
-    assert!(lse.is_empty(), "the prompt does not run the op");
     assert_eq!(max_abs_diff(&logits, &plain.forward(&prompt)?)?, 0.0);
+    check_lse(&lse, prompt.len())?;
     for token in [5, 9, 200] {
         let want = plain.forward(&[token])?;
         let (got, lse) = recording.forward_with_lse(&[token])?;
         assert_eq!(max_abs_diff(&got, &want)?, 0.0);
-        assert_eq!(lse.len(), LAYERS);
-        for layer in &lse {
-            assert_eq!(layer.dims(), [1, HEADS, 1]);
-            let values = layer.flatten_all()?.to_vec1::<f32>()?;
-            assert!(values.iter().all(|x| x.is_finite()), "{values:?}");
-        }
+        check_lse(&lse, 1)?;
     }
     assert_eq!(recording.cache_len(), plain.cache_len());
     Ok(())

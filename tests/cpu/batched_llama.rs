@@ -10,13 +10,14 @@
 
 use std::path::PathBuf;
 
-use crate::common::batched::{check_model, tiny_requests, Request};
-use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 use anyhow::{ensure, Result};
 use candle_core::Device;
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use candle_splitkv::AttentionBackend;
 use candle_splitkv::PagedKvCache;
+
+use crate::common::batched::{check_model, tiny_requests, Request};
+use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 
 const TOLERANCE: f32 = 1e-4;
 const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -3,12 +3,13 @@
 //! prompt (to f32 rounding), through the model's own cache and through a paged one, for every
 //! backend; and the greedy tokens after it are the same.
 
-use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use candle_splitkv::models::llama::{Llama, LoadOptions, DEFAULT_PREFILL_CHUNK};
 use candle_splitkv::AttentionBackend;
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 
 const TOLERANCE: f32 = 1e-4;
 const PROMPT: usize = 150;

@@ -1,9 +1,10 @@
 //! Strided views, varlen, forced split counts, LSE and large logits on the CPU.
 
-use crate::common;
-use crate::common::{assert_close, assert_lse_close, host_f64, reference, Case};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use candle_splitkv::{flash_decode, flash_decode_varlen, flash_decode_with_lse, SplitKvAttention};
+
+use crate::common;
+use crate::common::{assert_close, assert_lse_close, host_f64, reference, Case};
 
 #[test]
 fn head_major_cache_view_needs_no_copy() -> Result<()> {

@@ -1,9 +1,10 @@
 //! fp8 (e4m3) K/V on the CPU: against the f64 reference on the dequantized K/V, and against the
 //! unquantized K/V within the error that e4m3 rounding can cause.
 
-use crate::common::{assert_close, assert_lse_close, host_f64, reference};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{SplitKvAttention, E4M3_MAX, SUPPORTED_HEAD_DIMS};
+
+use crate::common::{assert_close, assert_lse_close, host_f64, reference};
 
 /// e4m3's unit roundoff (3 mantissa bits), and half the spacing of its subnormals: the most a
 /// value within range moves when rounded to it, relatively and absolutely.

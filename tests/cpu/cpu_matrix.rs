@@ -1,8 +1,9 @@
 //! The op on the CPU against the f64 reference over the full case matrix.
 
+use candle_core::{DType, Device, Result};
+
 use crate::common;
 use crate::common::{assert_close, assert_lse_close, reference, Case};
-use candle_core::{DType, Device, Result};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];

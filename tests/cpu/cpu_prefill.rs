@@ -5,13 +5,14 @@
 //! dim and group size, per-sequence lengths, paged and strided K/V, fp8 K/V, windows,
 //! soft-capping and the LSE, and across split counts.
 
+use candle_core::{DType, Device, Result, Tensor};
+use candle_splitkv::{quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
+
 use crate::common::paged::{check_paged, Layout, PagedCase};
 use crate::common::{
     assert_close, assert_lse_close, head_major_view, host_f64, max_abs_diff, poisoned,
     reference_masked,
 };
-use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::{quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 
 fn random(shape: (usize, usize, usize, usize), dtype: DType) -> Result<Tensor> {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)

@@ -1,9 +1,10 @@
 //! Several query tokens per sequence on the CPU: the last t positions of each sequence, each
 //! attending causally to the keys up to its own position, checked against the f64 reference.
 
-use crate::common::{assert_close, assert_lse_close, host_f64, max_abs_diff, reference};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{SplitKvAttention, MAX_QUERY_TOKENS};
+
+use crate::common::{assert_close, assert_lse_close, host_f64, max_abs_diff, reference};
 
 fn random(shape: (usize, usize, usize, usize), dtype: DType) -> Result<Tensor> {
     Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)

@@ -7,16 +7,17 @@
 //! greedy choices. Gemma-2's alternating windows, which candle-transformers does not apply, are
 //! checked by decoding against prefilling. Then the configs the decoder refuses.
 
-use crate::common::tiny_families::{
-    weights, Family, GEMMA2, GEMMA2_JSON, MISTRAL, MISTRAL_JSON, PHI3, PHI3_JSON, QWEN2,
-    QWEN2_JSON, QWEN3, QWEN3_JSON, VOCAB,
-};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions};
 use candle_transformers::models::{gemma2, mistral, phi3, qwen2, qwen3};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::tiny_families::{
+    weights, Family, GEMMA2, GEMMA2_JSON, MISTRAL, MISTRAL_JSON, PHI3, PHI3_JSON, QWEN2,
+    QWEN2_JSON, QWEN3, QWEN3_JSON, VOCAB,
+};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a - b)?.abs()?.max(0)?.to_scalar::<f32>()?)

@@ -9,10 +9,6 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::common::tiny_families::{
-    weights, Family, FFN, GEMMA2, GEMMA2_JSON, HEADS, HIDDEN, KV_HEADS, LAYERS, PHI3, QWEN2, QWEN3,
-    VOCAB,
-};
 use anyhow::Result;
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -23,6 +19,11 @@ use candle_splitkv::models::llama::LlamaConfig;
 use candle_splitkv::models::llama::{Llama, LoadOptions, WeightForm, WeightFormPolicy};
 use candle_transformers::models::{quantized_phi3, quantized_qwen2, quantized_qwen3};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::tiny_families::{
+    weights, Family, FFN, GEMMA2, GEMMA2_JSON, HEADS, HIDDEN, KV_HEADS, LAYERS, PHI3, QWEN2, QWEN3,
+    VOCAB,
+};
 
 /// The GGUF name of an HF-named weight of `family`.
 fn gguf_name(hf: &str, family: Family) -> String {

@@ -4,13 +4,14 @@
 
 use std::path::Path;
 
-use crate::common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, HEADS, LAYERS, VOCAB};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use candle_splitkv::AttentionBackend;
 use candle_transformers::models::llama as stock;
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::tiny_llama::{write_tiny_model, CONFIG_JSON, CONTEXT, HEADS, LAYERS, VOCAB};
 
 const TOLERANCE: f32 = 1e-4;
 

@@ -4,11 +4,12 @@
 
 use std::path::Path;
 
-use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::tiny_llama::{write_tiny_model, VOCAB};
 
 /// Prompt chunks: a prefill, a one-token chunk, a prefill on top of both.
 const CHUNKS: [usize; 3] = [29, 1, 20];

@@ -3,9 +3,10 @@
 //! sequence owns, every dtype, head dim and group size, page sizes 1 to 256, lengths at and around
 //! page boundaries, several query tokens, a window and soft-capping; then its errors.
 
-use crate::common::paged::{check_paged, Layout, PagedCase};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{flash_decode_paged, CudaKernel, SplitKvAttention};
+
+use crate::common::paged::{check_paged, Layout, PagedCase};
 
 fn layout(page_size: usize, seed: u64) -> Layout {
     Layout {

@@ -3,9 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::common::tiny_llama::{
-    decisive_next, write_decisive_tiny_model, write_tiny_model, VOCAB,
-};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
@@ -15,6 +12,10 @@ use candle_splitkv::models::speculative::{
 use candle_splitkv::test_hooks::split_plan;
 use candle_splitkv::AttentionBackend;
 use candle_splitkv::{AttentionStep, CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
+
+use crate::common::tiny_llama::{
+    decisive_next, write_decisive_tiny_model, write_tiny_model, VOCAB,
+};
 
 fn load(dir: &Path) -> Result<Llama> {
     Ok(Llama::load_with(dir, &Device::Cpu, LoadOptions::default())?.model)

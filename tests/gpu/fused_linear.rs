@@ -2,10 +2,11 @@
 //! and the fused kernel on CUDA (skipped with a notice where no device exists), with outputs
 //! poisoned with NaN first.
 
-use crate::common::gpu;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_splitkv::test_hooks::{fused_launch_count, poison_outputs, ring_form_for_all};
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
+
+use crate::common::gpu;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Prologue {

@@ -7,12 +7,13 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
-use crate::common::batched::{check_model, tiny_requests};
-use crate::common::gpu;
-use crate::common::tiny_llama::write_decisive_tiny_model;
 use anyhow::Result;
 use candle_core::DType;
 use candle_splitkv::models::llama::{Llama, LoadOptions};
+
+use crate::common::batched::{check_model, tiny_requests};
+use crate::common::gpu;
+use crate::common::tiny_llama::write_decisive_tiny_model;
 
 const TOLERANCE: f32 = 2.0;
 

@@ -9,17 +9,18 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::VarBuilder;
+use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
 use crate::common::gpu;
 use crate::common::own_process::in_own_process;
 use crate::common::tiny_families::{
     weights, Family, GEMMA2, GEMMA2_JSON, MISTRAL, MISTRAL_JSON, PHI3, PHI3_JSON, QWEN2,
     QWEN2_JSON, QWEN3, QWEN3_JSON, VOCAB,
 };
-use anyhow::Result;
-use candle_core::{DType, Device, Tensor, D};
-use candle_nn::VarBuilder;
-use candle_splitkv::models::llama::{Llama, LlamaConfig, LoadOptions};
-use rand::{rngs::StdRng, Rng, SeedableRng};
 
 /// Sliding windows of this many positions, against a prompt of [`PROMPT`] tokens.
 const WINDOW: usize = 64;

@@ -5,13 +5,14 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
-use crate::common::{
-    assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference,
-};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{
     dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, CudaKernel, SplitKvAttention, E4M3_MAX,
     MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS,
+};
+
+use crate::common::{
+    assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference,
 };
 
 /// Random `shape` in e4m3 with a per-tensor scale that maps its largest magnitude to ±448, the

@@ -11,14 +11,15 @@
 //! Skips with a notice where no CUDA device exists. The graph test runs in a process of its own:
 //! a capture fails when another thread of the process synchronises the device meanwhile.
 
-use crate::common::gpu;
-use crate::common::own_process::in_own_process;
-use crate::common::tiny_llama::{write_decisive_tiny_model, VOCAB};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use candle_splitkv::{KvCache, KvCacheConfig};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::gpu;
+use crate::common::own_process::in_own_process;
+use crate::common::tiny_llama::{write_decisive_tiny_model, VOCAB};
 
 fn cache_config(dtype: DType, device: &Device, scales: (f32, f32)) -> KvCacheConfig {
     KvCacheConfig {

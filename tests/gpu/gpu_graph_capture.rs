@@ -5,11 +5,12 @@
 //! Built with the `cuda` feature; skips with a notice where no CUDA device exists.
 
 #[cfg(feature = "cuda")]
+use candle_core::{DType, Device, Result};
+
+#[cfg(feature = "cuda")]
 use crate::common::own_process::in_own_process;
 #[cfg(feature = "cuda")]
 use crate::common::{self, assert_close, gpu, poisoned, reference, Case};
-#[cfg(feature = "cuda")]
-use candle_core::{DType, Device, Result};
 
 /// The op captured into a CUDA graph as the first calls on a fresh device (kernel setup, scratch
 /// allocation and the merge launches all inside the capture): a cluster merge (7 splits), and 20

@@ -3,13 +3,14 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use candle_splitkv::test_hooks::split_plan;
+use candle_splitkv::{CudaKernel, SplitKvAttention};
+
 use crate::common;
 use crate::common::{
     assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference, Case,
 };
-use candle_core::{DType, Device, IndexOp, Result, Tensor};
-use candle_splitkv::test_hooks::split_plan;
-use candle_splitkv::{CudaKernel, SplitKvAttention};
 
 const HEADS: [(usize, usize); 4] = [(8, 8), (9, 3), (14, 2), (32, 8)];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];

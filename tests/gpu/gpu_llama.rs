@@ -11,12 +11,13 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
-use crate::common::gpu;
-use crate::common::tiny_llama::{write_decisive_tiny_model, write_tiny_model, VOCAB};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, D};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common::gpu;
+use crate::common::tiny_llama::{write_decisive_tiny_model, write_tiny_model, VOCAB};
 
 /// The greedy token and its lead over the runner-up.
 fn greedy(logits: &Tensor) -> Result<(u32, f32)> {

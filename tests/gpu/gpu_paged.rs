@@ -4,10 +4,11 @@
 //! soft-capping, against the f64 reference and the contiguous op, with NaN in every position no
 //! sequence owns and in the output and split scratch.
 
-use crate::common::gpu;
-use crate::common::paged::{check_paged, Layout, PagedCase};
 use candle_core::{DType, Result};
 use candle_splitkv::CudaKernel;
+
+use crate::common::gpu;
+use crate::common::paged::{check_paged, Layout, PagedCase};
 
 const SPLITS: [Option<usize>; 3] = [None, Some(1), Some(7)];
 const KERNELS: [CudaKernel; 2] = [CudaKernel::TensorCore, CudaKernel::CudaCore];

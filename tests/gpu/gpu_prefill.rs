@@ -7,12 +7,13 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
-use crate::common;
-use crate::common::paged::{check_paged, Layout, PagedCase};
-use crate::common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference_masked};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::test_hooks::{force_prefill_route, last_attention_form, PrefillRoute};
 use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS};
+
+use crate::common;
+use crate::common::paged::{check_paged, Layout, PagedCase};
+use crate::common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference_masked};
 
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 const DTYPES: [DType; 2] = [DType::F16, DType::BF16];

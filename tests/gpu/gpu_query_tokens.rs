@@ -4,12 +4,13 @@
 //!
 //! Skips with a notice where no CUDA device exists.
 
+use candle_core::{DType, Device, Result, Tensor};
+use candle_splitkv::{CudaKernel, MAX_QUERY_TOKENS};
+
 use crate::common;
 use crate::common::{
     assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference,
 };
-use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::{CudaKernel, MAX_QUERY_TOKENS};
 
 const TOKENS: [usize; 7] = [1, 2, 3, 4, 5, 8, 16];
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];

@@ -3,10 +3,11 @@
 //! reference and against the CPU path (candle's rope and copies), with its outputs poisoned with
 //! NaN first. Skips with a notice where no CUDA device exists.
 
-use crate::common::gpu;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::models::llama::{LlamaConfig, RopeLayout, RotaryEmbedding};
 use candle_splitkv::test_hooks::poison_outputs;
+
+use crate::common::gpu;
 
 /// The RoPE tables read only the head dim, the context length and the frequencies.
 fn config(head_dim: usize) -> LlamaConfig {

@@ -4,9 +4,10 @@
 //! groups and grids of many waves, with the output and split scratch filled with NaN first. Then
 //! the errors for a window of 0 and a cap ≤ 0.
 
-use crate::common::{assert_close, assert_lse_close, gpu, poisoned, reference_masked};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{CudaKernel, SplitKvAttention};
+
+use crate::common::{assert_close, assert_lse_close, gpu, poisoned, reference_masked};
 
 fn random(shape: (usize, usize, usize, usize), dtype: DType, device: &Device) -> Result<Tensor> {
     Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)

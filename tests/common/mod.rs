@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod batched;
+pub mod own_process;
 pub mod paged;
 pub mod tiny_families;
 pub mod tiny_llama;

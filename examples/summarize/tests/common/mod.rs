@@ -1,4 +1,5 @@
-//! Shared by the summarizer's test suites: where the binary and the sample documents are.
+//! Shared by the summarizer's test suites: where the binary and the sample documents are, and
+//! the turns the runs of the model take.
 //!
 //! Both are found at run time, not fixed at build time, so that the test binaries also run from a
 //! copy of the repository elsewhere: the binary next to the test binary, the documents under the
@@ -7,6 +8,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 /// The `summarize` binary: `cargo test` builds it next to the test binaries, in
 /// `<target>/<profile>/`.
@@ -72,4 +74,13 @@ pub fn cached_default_model() -> Option<PathBuf> {
         );
     }
     path
+}
+
+/// Held by a test for each run of the model: a run uses all cores, so two at once would only make
+/// both slower, and a timed run would time the other as well.
+pub fn one_model_run_at_a_time() -> MutexGuard<'static, ()> {
+    static MODEL_RUNS: Mutex<()> = Mutex::new(());
+    MODEL_RUNS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

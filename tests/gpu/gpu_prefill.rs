@@ -1,0 +1,424 @@
+//! Many query tokens per sequence on CUDA (the prefill kernels) against the f64 reference: every
+//! head dim, f16 and bf16, group sizes 1 to 16, empty and long pasts, fewer keys than tokens,
+//! per-sequence lengths (0 and shorter than t among them), paged K/V with shuffled tables and NaN
+//! in unused pages, fp8 K/V with scales, sliding windows and soft-capping, the LSE, forced split
+//! counts, and both prefill forms (mma.sync, and sm_90a where the build and device have it).
+//! Outputs and split scratch are poisoned with NaN first.
+//!
+//! Skips with a notice where no CUDA device exists.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_splitkv::test_hooks::{force_prefill_route, last_attention_form, PrefillRoute};
+use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS};
+
+use crate::common;
+use crate::common::paged::{check_paged, Layout, PagedCase};
+use crate::common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference_masked};
+
+const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
+const DTYPES: [DType; 2] = [DType::F16, DType::BF16];
+
+/// One call's sizes and options.
+#[derive(Debug, Clone)]
+struct Shape {
+    b: usize,
+    t: usize,
+    h_q: usize,
+    h_kv: usize,
+    d: usize,
+    /// Positions in K/V; each sequence's past is `l − t` (or its length's).
+    l: usize,
+    dtype: DType,
+    lens: Option<Vec<u32>>,
+    window: Option<usize>,
+    softcap: Option<f32>,
+}
+
+impl Shape {
+    fn new(b: usize, t: usize, (h_q, h_kv, d): (usize, usize, usize), l: usize) -> Self {
+        Self {
+            b,
+            t,
+            h_q,
+            h_kv,
+            d,
+            l,
+            dtype: DType::BF16,
+            lens: None,
+            window: None,
+            softcap: None,
+        }
+    }
+
+    fn scale(&self) -> f32 {
+        1.0 / (self.d as f32).sqrt()
+    }
+
+    fn qkv(&self, dev: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+        let random = |shape: (usize, usize, usize, usize)| {
+            Tensor::randn(0f32, 1.0, shape, dev)?.to_dtype(self.dtype)
+        };
+        Ok((
+            random((self.b, self.t, self.h_q, self.d))?,
+            random((self.b, self.l, self.h_kv, self.d))?,
+            random((self.b, self.l, self.h_kv, self.d))?,
+        ))
+    }
+
+    fn op(&self, scale: f32, dev: &Device) -> Result<SplitKvAttention> {
+        let op = poisoned(scale)
+            .with_window_left(self.window)
+            .with_softcap(self.softcap);
+        Ok(match &self.lens {
+            Some(lens) => op.with_seqlens(Tensor::new(lens.as_slice(), dev)?),
+            None => op,
+        })
+    }
+}
+
+/// The prefill forms this build and device run: mma.sync always, sm_90a where a bf16 call at
+/// head dim 128 takes it.
+fn routes(dev: &Device) -> Result<Vec<PrefillRoute>> {
+    force_prefill_route(PrefillRoute::Wgmma);
+    let probe = Shape::new(1, 32, (2, 1, 128), 64);
+    let (q, k, v) = probe.qkv(dev)?;
+    let wgmma = SplitKvAttention::new(probe.scale()).forward(&q, &k, &v);
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(match wgmma {
+        Ok(_) => vec![PrefillRoute::MmaSync, PrefillRoute::Wgmma],
+        Err(e) => {
+            println!("sm_90a prefill form not run here: {e}");
+            vec![PrefillRoute::MmaSync]
+        }
+    })
+}
+
+/// Whether `route` takes the shape: the sm_90a form runs 16-bit K/V at head dims 64/128/256
+/// without a window or soft-capping.
+fn takes(route: PrefillRoute, shape: &Shape) -> bool {
+    route != PrefillRoute::Wgmma
+        || ([64, 128, 256].contains(&shape.d) && shape.window.is_none() && shape.softcap.is_none())
+}
+
+/// A split count's output against one split's: within `8e-3` plus one ulp of the output dtype at
+/// the element's magnitude, since each split rounds its probabilities to 16 bits against its
+/// own running max and the merged result is rounded to the output dtype once more.
+fn assert_splits_agree(what: &str, out: &[f64], one: &[f64], dtype: DType) {
+    let ulp = match dtype {
+        DType::BF16 => 2f64.powi(-7),
+        DType::F16 => 2f64.powi(-10),
+        _ => 2f64.powi(-23),
+    };
+    for (i, (a, b)) in out.iter().zip(one).enumerate() {
+        let allowed = 8e-3 + ulp * a.abs().max(b.abs());
+        let diff = (a - b).abs();
+        assert!(
+            diff <= allowed,
+            "{what}: element {i} differs from one split's by {diff} (allowed {allowed})"
+        );
+    }
+}
+
+/// Runs `shape` on each route and split count against the reference (output and LSE); every
+/// split count's output agreeing with one split's (see [`assert_splits_agree`]).
+fn check(
+    dev: &Device,
+    shape: &Shape,
+    routes: &[PrefillRoute],
+    splits: &[Option<usize>],
+) -> Result<()> {
+    let (q, k, v) = shape.qkv(dev)?;
+    let scale = shape.scale();
+    let want = reference_masked(
+        &q,
+        &k,
+        &v,
+        scale,
+        shape.lens.as_deref(),
+        shape.window,
+        shape.softcap,
+    )?;
+    for &route in routes.iter().filter(|&&r| takes(r, shape)) {
+        force_prefill_route(route);
+        let one = host_f64(
+            &shape
+                .op(scale, dev)?
+                .with_num_splits(Some(1))
+                .forward(&q, &k, &v)?,
+        )?;
+        for &n in splits {
+            let (out, lse) = shape
+                .op(scale, dev)?
+                .with_num_splits(n)
+                .forward_with_lse(&q, &k, &v)?;
+            let form = last_attention_form().unwrap_or("none");
+            let what = format!("{shape:?} {route:?} ({form}) splits {n:?}");
+            assert!(form.starts_with("prefill"), "{what}: ran {form}");
+            assert_eq!(out.dims(), q.dims());
+            assert_eq!(lse.dims(), &[shape.b, shape.h_q, shape.t]);
+            assert_close(&what, &out, &want.out, shape.dtype)?;
+            assert_lse_close(&what, &lse, &want.lse, shape.dtype)?;
+            assert_splits_agree(&what, &host_f64(&out)?, &one, shape.dtype);
+        }
+    }
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
+#[test]
+fn gpu_prefill_every_head_dim_dtype_and_past() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    let mut count = 0;
+    // (t, K/V length): empty past, fewer keys than tokens, a past, a long past.
+    for (t, l) in [(17, 17), (100, 60), (130, 1000), (64, 5000)] {
+        for d in HEAD_DIMS {
+            for dtype in DTYPES {
+                let shape = Shape {
+                    dtype,
+                    ..Shape::new(2, t, (8, 2, d), l)
+                };
+                check(&dev, &shape, &routes, &[None, Some(3)])?;
+                count += 1;
+            }
+        }
+    }
+    println!("gpu_prefill_every_head_dim_dtype_and_past: {count} shapes passed");
+    Ok(())
+}
+
+#[test]
+fn gpu_prefill_long_chunks() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    for (t, l, d) in [(4096, 4096, 64), (1000, 9000, 128), (700, 700, 256)] {
+        let shape = Shape::new(1, t, (2, 1, d), l);
+        check(&dev, &shape, &routes, &[None, Some(4)])?;
+    }
+    Ok(())
+}
+
+/// Groups 1, 4, 8 and 16 and multi-query heads: the query tiles hold token × group rows.
+#[test]
+fn gpu_prefill_group_sizes() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    for (h_q, h_kv) in [(4, 4), (8, 2), (16, 2), (32, 2), (12, 1)] {
+        for dtype in DTYPES {
+            let shape = Shape {
+                dtype,
+                ..Shape::new(2, 77, (h_q, h_kv, 128), 600)
+            };
+            check(&dev, &shape, &routes, &[None, Some(2)])?;
+        }
+    }
+    Ok(())
+}
+
+/// Split counts from one to many agree within the rounding of the 16-bit probabilities.
+#[test]
+fn gpu_prefill_split_counts_agree() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    let shape = Shape::new(1, 256, (8, 2, 128), 12000);
+    let splits = [None, Some(2), Some(7), Some(16), Some(33), Some(64)];
+    check(&dev, &shape, &routes, &splits)
+}
+
+/// Per-sequence lengths: longer than t, shorter than t, 0, and t itself.
+#[test]
+fn gpu_prefill_varlen() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    for d in [64, 96, 128] {
+        for dtype in DTYPES {
+            let shape = Shape {
+                dtype,
+                lens: Some(vec![1500, 10, 0, 50, 1]),
+                ..Shape::new(5, 50, (8, 2, d), 1500)
+            };
+            check(&dev, &shape, &routes, &[None, Some(5)])?;
+        }
+    }
+    Ok(())
+}
+
+/// Sliding windows from one position to past the sequence, with and without soft-capping.
+#[test]
+fn gpu_prefill_window_and_softcap() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    let l = 900;
+    for window in [Some(1), Some(31), Some(200), Some(l + 100), None] {
+        for softcap in [None, Some(30.0)] {
+            if window.is_none() && softcap.is_none() {
+                continue;
+            }
+            for (d, dtype) in [(64, DType::BF16), (80, DType::F16), (128, DType::BF16)] {
+                let shape = Shape {
+                    dtype,
+                    window,
+                    softcap,
+                    lens: Some(vec![l as u32, 300]),
+                    ..Shape::new(2, 120, (8, 2, d), l)
+                };
+                check(&dev, &shape, &routes, &[None, Some(3)])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Strided K/V: a head-major cache narrowed and transposed, as a KV cache hands it over.
+#[test]
+fn gpu_prefill_strided_kv() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    let (b, t, h_q, h_kv, d, l, capacity) = (2, 90, 8, 2, 128, 700, 1024);
+    let (k, k_dense) = common::head_major_view(b, h_kv, capacity, l, d, DType::BF16, &dev)?;
+    let (v, v_dense) = common::head_major_view(b, h_kv, capacity, l, d, DType::BF16, &dev)?;
+    let q = Tensor::randn(0f32, 1.0, (b, t, h_q, d), &dev)?.to_dtype(DType::BF16)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let want = reference_masked(&q, &k_dense, &v_dense, scale, None, None, None)?;
+    for &route in &routes {
+        force_prefill_route(route);
+        for n in [None, Some(3)] {
+            let (out, lse) = poisoned(scale)
+                .with_num_splits(n)
+                .forward_with_lse(&q, &k, &v)?;
+            let what = format!("strided {route:?} splits {n:?}");
+            assert_close(&what, &out, &want.out, DType::BF16)?;
+            assert_lse_close(&what, &lse, &want.lse, DType::BF16)?;
+        }
+    }
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
+/// fp8 K/V with scales against the reference on the dequantized K/V (the mma.sync form).
+#[test]
+fn gpu_prefill_fp8() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let (k_scale, v_scale) = (0.02f32, 0.5f32);
+    for d in HEAD_DIMS {
+        for dtype in DTYPES {
+            let shape = Shape {
+                dtype,
+                ..Shape::new(2, 70, (8, 2, d), 800)
+            };
+            let (q, k, v) = shape.qkv(&dev)?;
+            let k8 = quantize_e4m3(&(k.to_dtype(DType::F32)? * 3.0)?, k_scale)?;
+            let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
+            let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
+            let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
+            let want = reference_masked(&q, &k_real, &v_real, shape.scale(), None, None, None)?;
+            for n in [None, Some(1), Some(4)] {
+                let (out, lse) = poisoned(shape.scale())
+                    .with_kv_scales(k_scale, v_scale)
+                    .with_num_splits(n)
+                    .forward_with_lse(&q, &k8, &v8)?;
+                let form = last_attention_form().unwrap_or("none");
+                let what = format!("fp8 {shape:?} ({form}) splits {n:?}");
+                assert!(
+                    form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
+                    "{what}"
+                );
+                assert_close(&what, &out, &want.out, dtype)?;
+                assert_lse_close(&what, &lse, &want.lse, dtype)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Paged K/V: shuffled tables, NaN in every position no sequence owns, spare table entries
+/// pointing outside the pool; against the reference and the contiguous op.
+#[test]
+fn gpu_prefill_paged() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for route in routes(&dev)? {
+        force_prefill_route(route);
+        for (d, dtype, kv_dtype, page_size, window) in [
+            (128, DType::BF16, DType::BF16, 16, None),
+            (64, DType::F16, DType::F16, 1, None),
+            (256, DType::BF16, DType::BF16, 64, None),
+            (96, DType::F16, DType::F16, 7, Some(50)),
+            (128, DType::BF16, DType::F8E4M3, 32, None),
+            (128, DType::BF16, DType::F8E4M3, 32, Some(100)),
+        ] {
+            let case = PagedCase {
+                t: 60,
+                h_q: 8,
+                h_kv: 2,
+                d,
+                lens: vec![1000, 40, 0, 333],
+                dtype,
+                kv_dtype,
+                layout: Layout {
+                    page_size,
+                    spare_pages: 5,
+                    spare_entries: 3,
+                    shared_pages: 0,
+                    seed: 11,
+                },
+                window,
+                softcap: window.map(|_| 20.0),
+            };
+            let sm90_takes = kv_dtype == dtype && window.is_none() && d != 96;
+            if route == PrefillRoute::Wgmma && !sm90_takes {
+                continue;
+            }
+            check_paged(
+                &dev,
+                &case,
+                &[candle_splitkv::CudaKernel::Auto],
+                &[None, Some(1), Some(5)],
+            )?;
+        }
+    }
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
+/// The mma.sync prefill form also takes a few query tokens (it runs them where the decode forms
+/// would re-stream the K/V too often).
+#[test]
+fn gpu_prefill_few_tokens() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for t in [1, 5, MAX_QUERY_TOKENS] {
+        let shape = Shape::new(3, t, (16, 2, 128), 2000);
+        check(&dev, &shape, &[PrefillRoute::MmaSync], &[None, Some(4)])?;
+    }
+    Ok(())
+}
+
+/// The op's rule: a few query tokens with few rows per kv head stay on the decode forms; many
+/// rows per kv head over a batch that fills the GPU, or more tokens than the decode forms take,
+/// go to the prefill forms.
+#[test]
+fn gpu_prefill_route_rule() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    force_prefill_route(PrefillRoute::Auto);
+    let form = |shape: Shape| -> Result<&'static str> {
+        let (q, k, v) = shape.qkv(&dev)?;
+        SplitKvAttention::new(shape.scale()).forward(&q, &k, &v)?;
+        Ok(last_attention_form().unwrap_or("none"))
+    };
+    // Verification of 8 drafts with 4 query heads per kv head: 32 rows, two decode blocks.
+    assert_eq!(form(Shape::new(1, 8, (32, 8, 128), 20000))?, "decode");
+    assert_eq!(form(Shape::new(1, 4, (32, 8, 128), 20000))?, "decode");
+    // 8 tokens × 8 heads = 64 rows per kv head, 512 decode blocks.
+    assert!(form(Shape::new(16, 8, (64, 8, 128), 4096))?.starts_with("prefill"));
+    assert!(form(Shape::new(1, MAX_QUERY_TOKENS + 1, (4, 4, 64), 100))?.starts_with("prefill"));
+    // f32 has no prefill form: a few tokens stay on the decode forms, more are an error.
+    let f32_shape = |t| Shape {
+        dtype: DType::F32,
+        ..Shape::new(16, t, (64, 8, 64), 256)
+    };
+    assert_eq!(form(f32_shape(8))?, "decode");
+    let err = form(f32_shape(MAX_QUERY_TOKENS + 1))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("f16 or bf16"), "{err}");
+    Ok(())
+}

@@ -17,7 +17,10 @@ impl Llama {
     /// an earlier chunk are of no use).
     ///
     /// All the step's tokens go through the projections, the MLP and the norms as one run of
-    /// rows, so prompt chunks and decode rows share each weight read. Attention runs once per
+    /// rows, so prompt chunks and decode rows share each weight read (a weight kept in a
+    /// single-row and a many-row form, as quantized ones are, multiplies the decode rows in the
+    /// first and the chunks in the second, one product each, so that every row rounds as it
+    /// would alone). Attention runs once per
     /// number of new tokens: all the decode rows in one call of the op, each other count in
     /// its own; no row is padded. A prompt longer than a chunk goes over several steps: the
     /// caller feeds its next `prefill_chunk` tokens each step, beside the other sequences'

@@ -90,7 +90,8 @@
 //! `kv_heads`. For batches of sequences that come and go, [`PagedKvCache`] keeps every layer's
 //! keys and values in pools of pages: [`PagedKvCache::begin_step`] makes room for a step and
 //! returns its [`PagedStep`], and [`CachedAttention::forward`] attends each layer through it
-//! ([`AttentionStep::paged`]). [`fused_linear`] runs a decode step's projections with the
+//! ([`AttentionStep::paged`]); [`PagedKvCache::begin_mixed_step`] makes a step of prompt chunks
+//! beside decode rows, attended by shape ([`AttentionStep::mixed`]). [`fused_linear`] runs a decode step's projections with the
 //! RMSNorm before them and the residual add or SwiGLU after them in one CUDA kernel
 //! ([`LinearInput`], [`LinearOutput`]).
 //!
@@ -126,8 +127,8 @@ pub use device_memory::retain_freed_device_memory;
 pub use fp8::{dequantize_e4m3, quantize_e4m3, quantize_e4m3_into, E4M3_MAX};
 pub use nn::{
     fused_linear, linear_unfused, AttentionBackend, AttentionStep, CachedAttention, DeviceLengths,
-    KvCache, KvCacheConfig, LinearInput, LinearOutput, PagedKvCache, PagedKvCacheConfig, PagedStep,
-    SequenceId, CACHE_DTYPES,
+    KvCache, KvCacheConfig, LinearInput, LinearOutput, MixedStep, PagedKvCache, PagedKvCacheConfig,
+    PagedStep, SequenceId, StepGroup, CACHE_DTYPES,
 };
 pub use op::validate::{MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 pub use op::{

@@ -26,6 +26,18 @@ impl Module for LinearWeight {
     }
 }
 
+/// The rows of a `(1, n, in)` input split by the form they are multiplied in: decode rows in the
+/// single-row form, prompt rows in the many-row form (see [`Linear::forward_split`]).
+#[derive(Debug, Clone)]
+pub struct RowSplit {
+    /// u32: the rows multiplied in the single-row form.
+    pub single: Tensor,
+    /// u32: the rows multiplied in the many-row form.
+    pub many: Tensor,
+    /// u32 `(n,)`: where each row sits among the `single` rows followed by the `many` rows.
+    pub order: Tensor,
+}
+
 #[derive(Debug, Clone)]
 pub struct Linear {
     single_row: LinearWeight,
@@ -77,6 +89,22 @@ impl Linear {
     /// a verification pass, whose logits should be those decoding would see.
     pub fn forward_single_row_form(&self, x: &Tensor) -> Result<Tensor> {
         self.add_bias(self.single_row.forward(x)?)
+    }
+}
+
+impl Linear {
+    /// `x (1, n, in)` → `(1, n, out)`, the rows of `split.single` in the single-row form and
+    /// those of `split.many` in the many-row form, one product each, so that each row rounds
+    /// as it would in a decode step or in a prompt. With one form, one product over every row.
+    pub fn forward_split(&self, x: &Tensor, split: &RowSplit) -> Result<Tensor> {
+        let Some(many_rows) = &self.many_rows else {
+            return self.forward(x);
+        };
+        let single = self
+            .single_row
+            .forward(&x.index_select(&split.single, 1)?)?;
+        let many = many_rows.forward(&x.index_select(&split.many, 1)?)?;
+        self.add_bias(Tensor::cat(&[single, many], 1)?.index_select(&split.order, 1)?)
     }
 }
 

@@ -17,6 +17,7 @@ mod device_step;
 mod gguf;
 mod hf;
 mod joined;
+mod mixed;
 mod paged;
 mod rope;
 
@@ -26,10 +27,10 @@ use std::path::Path;
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
-use super::linear::Linear;
+use super::linear::{Linear, RowSplit};
 use crate::nn::attention::{AttentionStep, CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
-use crate::nn::paged_cache::{PagedKvCache, PagedStep};
+use crate::nn::paged_cache::{MixedStep, PagedKvCache, PagedStep};
 
 pub use super::weight_form::{WeightChoice, WeightForm, WeightFormPolicy};
 /// The crate root's [`AttentionBackend`](crate::AttentionBackend), under the path the
@@ -113,20 +114,24 @@ pub struct LoadedModel {
 }
 
 /// The weight form a pass multiplies its rows in (see [`Linear`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rows {
+#[derive(Debug, Clone, Copy)]
+enum Rows<'a> {
     /// The single-row form for one row, the many-row form for more (a prompt).
     BySize,
     /// Every row in the single-row form, and attention as one-token steps: a few tokens being
     /// verified, computed as decoding computes them.
     AsDecode,
+    /// Some rows as a decode step multiplies them, the others as a prompt's: a step of decode
+    /// rows beside prompt chunks.
+    Split(&'a RowSplit),
 }
 
-impl Rows {
+impl Rows<'_> {
     fn project(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
         match self {
             Rows::BySize => linear.forward(x),
             Rows::AsDecode => linear.forward_single_row_form(x),
+            Rows::Split(split) => linear.forward_split(x, split),
         }
     }
 }
@@ -140,13 +145,13 @@ type LseRecord = RefCell<Vec<Tensor>>;
 #[derive(Debug, Clone, Copy)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 enum Positions<'a> {
-    Host(Rows),
+    Host(Rows<'a>),
     Recorded(&'a LseRecord),
     Device(&'a DeviceLengths),
 }
 
-impl Positions<'_> {
-    fn rows(self) -> Rows {
+impl<'a> Positions<'a> {
+    fn rows(self) -> Rows<'a> {
         match self {
             Positions::Host(rows) => rows,
             Positions::Recorded(_) | Positions::Device(_) => Rows::BySize,
@@ -162,15 +167,23 @@ enum LayerKv<'a> {
         cache: &'a PagedKvCache,
         layer: usize,
         step: &'a PagedStep,
-        rows: Rows,
+        rows: Rows<'a>,
+    },
+    /// Layer `layer` of a paged cache, at the positions a mixed step made room for; the pass's
+    /// tokens are the step's, end to end as one sequence.
+    Mixed {
+        cache: &'a PagedKvCache,
+        layer: usize,
+        step: &'a MixedStep,
+        rows: Rows<'a>,
     },
 }
 
-impl LayerKv<'_> {
-    fn rows(&self) -> Rows {
+impl<'a> LayerKv<'a> {
+    fn rows(&self) -> Rows<'a> {
         match self {
             LayerKv::Own(_, positions) => positions.rows(),
-            LayerKv::Paged { rows, .. } => *rows,
+            LayerKv::Paged { rows, .. } | LayerKv::Mixed { rows, .. } => *rows,
         }
     }
 
@@ -181,7 +194,9 @@ impl LayerKv<'_> {
         (q, k, v): (&Tensor, &Tensor, &Tensor),
     ) -> Result<Tensor> {
         let step = match self {
-            LayerKv::Own(cache, Positions::Host(Rows::BySize)) => AttentionStep::new(cache),
+            LayerKv::Own(cache, Positions::Host(Rows::BySize | Rows::Split(_))) => {
+                AttentionStep::new(cache)
+            }
             LayerKv::Own(cache, Positions::Host(Rows::AsDecode)) => {
                 AttentionStep::new(cache).as_decode_steps()
             }
@@ -196,6 +211,9 @@ impl LayerKv<'_> {
             LayerKv::Paged {
                 cache, layer, step, ..
             } => AttentionStep::paged(cache, layer, step),
+            LayerKv::Mixed {
+                cache, layer, step, ..
+            } => AttentionStep::mixed(cache, layer, step),
         };
         attention.forward(q, k, v, step)
     }
@@ -259,7 +277,7 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor, rows: Rows) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, rows: Rows<'_>) -> Result<Tensor> {
         let gate = rows.project(&self.gate_proj, x)?.apply(&self.activation)?;
         rows.project(
             &self.down_proj,
@@ -376,7 +394,8 @@ enum Head {
 }
 
 /// A Llama model with one KV cache per layer for one sequence at a time; batches of sequences
-/// decode over a [`PagedKvCache`] (see [`Llama::forward_paged`]).
+/// decode over a [`PagedKvCache`] (see [`Llama::forward_paged`], and [`Llama::forward_mixed`]
+/// for prompt chunks beside decode rows).
 #[derive(Debug, Clone)]
 pub struct Llama {
     config: LlamaConfig,
@@ -895,7 +914,7 @@ impl Llama {
     }
 
     /// f32 logits `(1, t, vocab)` of hidden states `(1, t, hidden)`.
-    fn logits(&self, x: &Tensor, rows: Rows) -> Result<Tensor> {
+    fn logits(&self, x: &Tensor, rows: Rows<'_>) -> Result<Tensor> {
         let logits = match &self.weights.head {
             Head::Separate { norm, lm_head } => rows.project(lm_head, &norm.forward(x)?)?,
             Head::Joined(head) => head.forward(x, self.fused_decode)?,

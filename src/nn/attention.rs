@@ -142,6 +142,15 @@ impl CachedAttention {
             StepKv::Paged { cache, layer, step } => {
                 self.forward_paged(q, k, v, (cache, layer, step), want_lse)?
             }
+            StepKv::Mixed { cache, layer, step } => {
+                if want_lse {
+                    bail!(
+                        "cached attention: the LSE of a mixed paged step is not implemented; \
+                         ask for it on uniform steps (AttentionStep::paged)"
+                    )
+                }
+                (self.forward_mixed(q, k, v, (cache, layer, step))?, None)
+            }
         };
         if let Some(slot) = lse_slot {
             *slot = lse;

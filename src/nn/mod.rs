@@ -12,5 +12,7 @@ mod stored_kv;
 pub use attention::{AttentionBackend, AttentionStep, CachedAttention, DeviceLengths};
 pub use cache::{KvCache, KvCacheConfig};
 pub use fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
-pub use paged_cache::{PagedKvCache, PagedKvCacheConfig, PagedStep, SequenceId};
+pub use paged_cache::{
+    MixedStep, PagedKvCache, PagedKvCacheConfig, PagedStep, SequenceId, StepGroup,
+};
 pub use stored_kv::CACHE_DTYPES;

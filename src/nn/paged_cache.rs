@@ -15,6 +15,10 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 
 use super::page_allocator::PageAllocator;
 
+mod mixed_step;
+
+pub use mixed_step::{MixedStep, StepGroup};
+
 /// Sizes and placement of a [`PagedKvCache`].
 #[derive(Debug, Clone)]
 pub struct PagedKvCacheConfig {
@@ -208,7 +212,6 @@ impl PagedKvCache {
     ///
     /// Fails, changing nothing, when the pool has too few free pages.
     pub fn begin_step(&mut self, ids: &[SequenceId], t: usize) -> Result<PagedStep> {
-        let page_size = self.config.page_size;
         if ids.is_empty() || t == 0 {
             bail!(
                 "paged kv cache: a step needs at least one sequence and one position, got {} \
@@ -216,16 +219,58 @@ impl PagedKvCache {
                 ids.len()
             )
         }
-        for (i, id) in ids.iter().enumerate() {
+        let counts: Vec<(SequenceId, usize)> = ids.iter().map(|&id| (id, t)).collect();
+        self.reserve(&counts)?;
+        self.step_tensors(ids, t)
+    }
+
+    /// Like [`PagedKvCache::begin_step`] for sequences that each bring their own number of new
+    /// positions, `counts[s] = (id, new positions)`, each at least 1: prompt chunks of some
+    /// sequences beside one-token decode rows of others. The step's tokens are laid end to end
+    /// in the order of `counts`; see [`MixedStep`] for how attention reads them.
+    ///
+    /// Fails, changing nothing, on an empty step, a count of 0, a sequence that is not live or
+    /// is named twice, or when the pool has too few free pages.
+    pub fn begin_mixed_step(&mut self, counts: &[(SequenceId, usize)]) -> Result<MixedStep> {
+        if counts.is_empty() {
+            bail!("paged kv cache: a mixed step needs at least one sequence")
+        }
+        if let Some((id, _)) = counts.iter().find(|(_, count)| *count == 0) {
+            bail!("paged kv cache: sequence {id:?} brings 0 positions to the step; at least 1")
+        }
+        self.reserve(counts)?;
+        let starts = counts
+            .iter()
+            .map(|&(id, count)| Ok(self.len(id)? - count))
+            .collect::<Result<Vec<_>>>()?;
+        let mut groups: Vec<(usize, Vec<SequenceId>)> = Vec::new();
+        for &(id, count) in counts {
+            match groups.iter_mut().find(|(t, _)| *t == count) {
+                Some((_, ids)) => ids.push(id),
+                None => groups.push((count, vec![id])),
+            }
+        }
+        let steps = groups
+            .iter()
+            .map(|(t, ids)| self.step_tensors(ids, *t))
+            .collect::<Result<Vec<_>>>()?;
+        MixedStep::new(counts, starts, steps, &self.config.device)
+    }
+
+    /// Checks that each sequence of `counts` is live and named once and that the pool has the
+    /// pages for their new positions, then gives each its pages and counts them.
+    fn reserve(&mut self, counts: &[(SequenceId, usize)]) -> Result<()> {
+        let page_size = self.config.page_size;
+        for (i, (id, _)) in counts.iter().enumerate() {
             self.sequence(*id)?;
-            if ids[..i].contains(id) {
+            if counts[..i].iter().any(|(other, _)| other == id) {
                 bail!("paged kv cache: sequence {id:?} is in the step twice")
             }
         }
         // Every page the step needs, before any is taken.
         let mut needed = 0;
-        for id in ids {
-            let sequence = self.sequence(*id)?;
+        for &(id, t) in counts {
+            let sequence = self.sequence(id)?;
             let partial = sequence.len % page_size != 0;
             let copy = partial
                 && self
@@ -242,10 +287,10 @@ impl PagedKvCache {
                 self.pages.num_pages()
             )
         }
-        for id in ids {
-            self.grow(*id, t)?;
+        for &(id, t) in counts {
+            self.grow(id, t)?;
         }
-        self.step_tensors(ids, t)
+        Ok(())
     }
 
     /// Writes layer `layer`'s keys and values of `step`'s new positions, `(batch, t, kv_heads,

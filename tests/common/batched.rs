@@ -104,6 +104,83 @@ pub fn decode_batched(
     Ok(out)
 }
 
+/// Runs `requests` through one paged cache with chunked prefill and continuous batching: a
+/// request joins at its step, and every step is one [`Llama::forward_mixed`] pass in which each
+/// live sequence brings either its prompt's next chunk of at most `prefill_chunk` tokens or the
+/// one token it decodes. A sequence leaves (its pages freed) once it has its tokens. Returns,
+/// per request, the greedy tokens and their logits.
+pub fn decode_mixed(
+    model: &Llama,
+    cache: &mut PagedKvCache,
+    requests: &[Request],
+) -> Result<Vec<Vec<(u32, Tensor)>>> {
+    struct Live {
+        slot: usize,
+        id: SequenceId,
+        /// Prompt tokens fed so far.
+        fed: usize,
+        /// The token it decodes next, once its prompt is in.
+        next: Option<u32>,
+    }
+    let chunk = model.prefill_chunk();
+    let mut out: Vec<Vec<(u32, Tensor)>> = vec![Vec::new(); requests.len()];
+    let mut live: Vec<Live> = Vec::new();
+    let mut finished = 0;
+    let mut step = 0;
+    while finished < requests.len() {
+        for (slot, request) in requests.iter().enumerate() {
+            if request.joins_at == step {
+                let id = cache.add_sequence();
+                live.push(Live {
+                    slot,
+                    id,
+                    fed: 0,
+                    next: None,
+                });
+            }
+        }
+        if !live.is_empty() {
+            let inputs: Vec<(SequenceId, &[u32])> = live
+                .iter()
+                .map(|l| {
+                    let prompt = &requests[l.slot].prompt;
+                    let tokens = match l.next.as_ref() {
+                        Some(next) => std::slice::from_ref(next),
+                        None => &prompt[l.fed..prompt.len().min(l.fed + chunk)],
+                    };
+                    (l.id, tokens)
+                })
+                .collect();
+            let logits = model.forward_mixed(cache, &inputs)?;
+            let counts: Vec<usize> = inputs.iter().map(|(_, t)| t.len()).collect();
+            let mut still = Vec::new();
+            for (row, (mut l, count)) in live.drain(..).zip(counts).enumerate() {
+                if l.next.is_none() {
+                    l.fed += count;
+                    if l.fed < requests[l.slot].prompt.len() {
+                        still.push(l);
+                        continue;
+                    }
+                }
+                let logits = logits.get(row)?;
+                let token = logits.argmax(0)?.to_scalar::<u32>()?;
+                out[l.slot].push((token, logits));
+                if out[l.slot].len() == requests[l.slot].new_tokens {
+                    cache.free_sequence(l.id)?;
+                    finished += 1;
+                } else {
+                    l.next = Some(token);
+                    still.push(l);
+                }
+            }
+            live = still;
+        }
+        step += 1;
+        ensure!(step < 10_000, "the batch never finished");
+    }
+    Ok(out)
+}
+
 /// Same greedy tokens, and logits within `tolerance`.
 pub fn check_same(
     alone: &[(u32, Tensor)],
@@ -176,6 +253,38 @@ pub fn check_model(
         tolerance,
         &format!("{what}, page {page_size}, the fork of request 0"),
     )?;
+    ensure!(
+        cache.free_pages() == 256,
+        "{what}: every sequence left, yet {} of 256 pages are free",
+        cache.free_pages()
+    );
+    Ok(())
+}
+
+/// Decodes `requests` alone, then all together with chunked prefill in steps that mix prompt
+/// chunks with decode rows (see [`decode_mixed`]), in a pool of 256 pages of `page_size`, and
+/// checks that they agree to `tolerance` and that every page is free at the end.
+pub fn check_mixed_model(
+    model: &mut Llama,
+    requests: &[Request],
+    page_size: usize,
+    tolerance: f32,
+    what: &str,
+) -> Result<()> {
+    let alone = requests
+        .iter()
+        .map(|r| decode_alone(model, &r.prompt, r.new_tokens))
+        .collect::<Result<Vec<_>>>()?;
+    let mut cache = model.paged_cache(256, page_size)?;
+    let mixed = decode_mixed(model, &mut cache, requests)?;
+    for (i, (a, b)) in alone.iter().zip(&mixed).enumerate() {
+        check_same(
+            a,
+            b,
+            tolerance,
+            &format!("{what}, page {page_size}, request {i}"),
+        )?;
+    }
     ensure!(
         cache.free_pages() == 256,
         "{what}: every sequence left, yet {} of 256 pages are free",

@@ -5,13 +5,16 @@
 //! round differently in bf16, so the model is the decisive tiny Llama (every greedy step leads
 //! by several units) and the logits must agree within 2, as in the GPU Llama suite.
 //!
+//! The same requests in steps that mix prompt chunks with decode rows (`Llama::forward_mixed`):
+//! chunks of 16 tokens take the op's decode kernels, of 40 its prefill kernels.
+//!
 //! Skips with a notice where no CUDA device exists.
 
 use anyhow::Result;
 use candle_core::DType;
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 
-use crate::common::batched::{check_model, tiny_requests};
+use crate::common::batched::{check_mixed_model, check_model, tiny_requests};
 use crate::common::gpu;
 use crate::common::tiny_llama::write_decisive_tiny_model;
 
@@ -35,6 +38,31 @@ fn gpu_batched_greedy_decoding_equals_decoding_alone() -> Result<()> {
                 page_size,
                 TOLERANCE,
                 &format!("{dtype:?} on the GPU"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gpu_mixed_steps_equal_decoding_alone() -> Result<()> {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let dir = tempfile::tempdir()?;
+    write_decisive_tiny_model(dir.path())?;
+    for dtype in [DType::BF16, DType::F32] {
+        let options = LoadOptions {
+            dtype: Some(dtype),
+            ..LoadOptions::default()
+        };
+        let mut model = Llama::load_with(dir.path(), &gpu, options)?.model;
+        for (chunk, page_size) in [(16, 1), (40, 16)] {
+            model.set_prefill_chunk(chunk)?;
+            check_mixed_model(
+                &mut model,
+                &tiny_requests(),
+                page_size,
+                TOLERANCE,
+                &format!("{dtype:?} on the GPU, chunk {chunk}"),
             )?;
         }
     }

@@ -2,7 +2,7 @@
 //! or many at once ([`Generator::generate_batch`]).
 //!
 //! These loops belong to the summarizer, not to `candle_splitkv::models`: what they add to the
-//! library's steps (`Llama::forward`, `Llama::forward_paged` over a `PagedKvCache`,
+//! library's steps (`Llama::forward`, `Llama::forward_mixed` over a `PagedKvCache`,
 //! `SpeculativeDecoder::step` with its logits hook) is the summarizer's own: its sampling
 //! options and repeat penalty, the observers behind its progress bars and streamed output, and
 //! the timing it reports.

@@ -1,6 +1,7 @@
 //! Batched decoding over a [`PagedKvCache`]: several sequences of different lengths in one pass,
 //! the weights read once for all of them. Sequences join (their prompt run on its own) and leave
 //! between passes, which is continuous batching; the caller decides who runs when.
+//! [`Llama::forward_mixed`] reads prompts in the same passes as the other sequences' tokens.
 
 use candle_core::{bail, Result, Tensor};
 
@@ -124,7 +125,7 @@ impl Llama {
     }
 
     /// Checks that `cache` was made for this model.
-    fn check_paged_cache(&self, cache: &PagedKvCache) -> Result<()> {
+    pub(super) fn check_paged_cache(&self, cache: &PagedKvCache) -> Result<()> {
         let c = cache.config();
         let want = (
             self.config.num_hidden_layers,

@@ -165,6 +165,27 @@ impl RotaryEmbedding {
 }
 
 impl RotaryEmbedding {
+    /// The cos/sin rows of tokens laid end to end as one sequence of `positions.len()` tokens,
+    /// token `i` at `positions[i]`: a mixed step's tokens, each at its own sequence's position.
+    pub fn angles_at_positions(&self, positions: &[usize]) -> Result<RopeAngles> {
+        if let Some(&past) = positions.iter().find(|&&p| p >= self.max_positions()) {
+            bail!(
+                "rope: position {past} is past the model's context length {}",
+                self.max_positions()
+            )
+        }
+        let t = positions.len();
+        let index: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let index = Tensor::from_vec(index, t, self.cos.device())?;
+        Ok(RopeAngles {
+            cos: self.cos.index_select(&index, 0)?.unsqueeze(1)?,
+            sin: self.sin.index_select(&index, 0)?.unsqueeze(1)?,
+            batch: 1,
+            t,
+            layout: self.layout,
+        })
+    }
+
     /// Like [`RotaryEmbedding::angles`] for one token per sequence, at the positions a u32
     /// `(batch,)` tensor holds on the tables' device: looked up when the gather runs, so that a
     /// captured decode step rotates by the position of each replay. Positions past the tables

@@ -1,14 +1,16 @@
 //! [`CachedAttention`] over one layer of a [`PagedKvCache`] (see [`AttentionStep::paged`]): the
 //! step's keys and values are written into their pages, then the op attends every sequence of
 //! the batch through the step's block table in one call. The reference paths gather each
-//! sequence's pages in order.
+//! sequence's pages in order. A mixed step ([`AttentionStep::mixed`]) runs one such call per
+//! group of sequences that bring the same number of tokens.
 //!
 //! [`AttentionStep::paged`]: super::AttentionStep::paged
+//! [`AttentionStep::mixed`]: super::AttentionStep::mixed
 
 use candle_core::{bail, Result, Tensor};
 
 use super::{run_op, CachedAttention, KvScales, Route};
-use crate::nn::paged_cache::{PagedKvCache, PagedStep};
+use crate::nn::paged_cache::{MixedStep, PagedKvCache, PagedStep};
 
 impl CachedAttention {
     /// Writes k and v of `step`'s new positions into layer `layer` of `cache`, then attends q
@@ -69,5 +71,57 @@ impl CachedAttention {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((Tensor::cat(&outs, 0)?, None))
+    }
+}
+
+impl CachedAttention {
+    /// Attends the tokens of a mixed `step`, laid end to end in q, k and v `(1, tokens, heads,
+    /// head_dim)`: each group of sequences with the same count in one call of
+    /// [`CachedAttention::forward_paged`], then the outputs back in the step's token order.
+    pub(super) fn forward_mixed(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        (cache, layer, step): (&PagedKvCache, usize, &MixedStep),
+    ) -> Result<Tensor> {
+        let tokens = step.tokens();
+        for (name, x) in [("q", q), ("k", k), ("v", v)] {
+            match x.dims() {
+                [1, t, _, _] if *t == tokens => {}
+                dims => bail!(
+                    "paged attention: {name} must be (1, {tokens}, heads, head_dim), the mixed \
+                     step's tokens end to end, got {dims:?}"
+                ),
+            }
+        }
+        let (_, _, q_heads, head_dim) = q.dims4()?;
+        let groups = step.groups();
+        let mut outs = Vec::with_capacity(groups.len());
+        for group in groups {
+            let (batch, t) = (group.step.batch(), group.step.t());
+            let take = |x: &Tensor| -> Result<Tensor> {
+                let (_, _, heads, d) = x.dims4()?;
+                let x = if groups.len() == 1 {
+                    x.clone()
+                } else {
+                    x.index_select(&group.tokens, 1)?
+                };
+                x.reshape((batch, t, heads, d))
+            };
+            let (out, _) = self.forward_paged(
+                &take(q)?,
+                &take(k)?,
+                &take(v)?,
+                (cache, layer, &group.step),
+                false,
+            )?;
+            outs.push(out.reshape((1, batch * t, q_heads, head_dim))?);
+        }
+        let out = Tensor::cat(&outs, 1)?;
+        match step.order() {
+            Some(order) => out.index_select(order, 1),
+            None => Ok(out),
+        }
     }
 }

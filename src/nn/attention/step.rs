@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use crate::nn::cache::KvCache;
-use crate::nn::paged_cache::{PagedKvCache, PagedStep};
+use crate::nn::paged_cache::{MixedStep, PagedKvCache, PagedStep};
 
 /// A step's cache lengths in device memory, u32 `(batch,)` tensors on the cache's device (see
 /// [`AttentionStep::at`]).
@@ -29,6 +29,12 @@ pub(super) enum StepKv<'a> {
         cache: &'a PagedKvCache,
         layer: usize,
         step: &'a PagedStep,
+    },
+    /// Layer `layer` of a paged cache, at the positions a mixed `step` made room for.
+    Mixed {
+        cache: &'a PagedKvCache,
+        layer: usize,
+        step: &'a MixedStep,
     },
 }
 
@@ -86,6 +92,15 @@ impl<'a> AttentionStep<'a> {
     /// `layer` of `cache`: q, k and v hold `step.batch()` sequences of `step.t()` tokens.
     pub fn paged(cache: &'a PagedKvCache, layer: usize, step: &'a PagedStep) -> Self {
         Self::of(StepKv::Paged { cache, layer, step })
+    }
+
+    /// A step of the sequences of a mixed `step` (made by [`PagedKvCache::begin_mixed_step`]),
+    /// each with its own number of new tokens, in layer `layer` of `cache`: q, k and v are
+    /// `(1, step.tokens(), heads, head_dim)`, the step's tokens end to end (see [`MixedStep`]).
+    /// Each group of sequences with the same count is one call of the op, whose output goes
+    /// back in the step's token order. The LSE is not implemented for it.
+    pub fn mixed(cache: &'a PagedKvCache, layer: usize, step: &'a MixedStep) -> Self {
+        Self::of(StepKv::Mixed { cache, layer, step })
     }
 
     /// Also writes into `lse` the natural-log LSE `(batch, q_heads, t)` of the split-KV op where

@@ -1,12 +1,15 @@
-//! Many generations at once: continuous batching over a paged cache. Up to `max_batch` answers
-//! are written together, one batched forward pass per step for all of them; a finished answer
-//! frees its pages and the next prompt takes its place.
+//! Many generations at once: continuous batching with chunked prefill over a paged cache. Up to
+//! `max_batch` answers are written together, one forward pass per step for all of them: a prompt
+//! that just joined brings its next chunk to the step beside the other answers' next tokens, so
+//! reading it does not stall them. A finished answer frees its pages and the next prompt takes
+//! its place.
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_splitkv::{PagedKvCache, SequenceId};
+use candle_core::Tensor;
+use candle_splitkv::SequenceId;
 use candle_transformers::generation::LogitsProcessor;
 
 use super::{sampler, Generation, Generator, Timing, PREFILL_SLICE};
@@ -39,15 +42,23 @@ struct Live {
     sampler: LogitsProcessor,
     generated: Vec<u32>,
     limit: usize,
-    /// Its decode time is its share of each step it is in: the step's time over the answers in
-    /// it, so that the shares add up to the batch's time.
+    /// Prompt tokens in the cache so far.
+    prompt_read: usize,
+    /// What it brings to the next step once its prompt is read: the token it wrote last.
+    next: Option<u32>,
+    /// The logits its next token is sampled from, after its prompt's last chunk or its last
+    /// token went through the model.
+    logits: Option<Tensor>,
+    /// Its prefill and decode times are its share of each step it is in, by the tokens it
+    /// brought, so that the shares add up to the batch's time.
     timing: Timing,
 }
 
 impl Generator<'_> {
     /// Writes the answers to `requests`, at most `max_batch` at a time, each as
     /// [`Generator::generate`] would (the same sampling, penalty and stopping rules; greedy
-    /// answers match it up to rounding). Returns them in the requests' order. Prompt lookup
+    /// answers match it up to rounding). Returns them in the requests' order. A prompt is read
+    /// a chunk per step, in the same passes as the other answers' tokens. Prompt lookup
     /// speculation does not apply here.
     pub fn generate_batch(
         &mut self,
@@ -79,10 +90,12 @@ impl Generator<'_> {
         let pages: usize = lengths.iter().take(max_batch).sum();
         let mut cache = self.model.paged_cache(pages.max(1), PAGE_SIZE)?;
 
+        // Prompt tokens an answer brings to one step.
+        let chunk = self.model.prefill_chunk().min(PREFILL_SLICE);
+
         let mut waiting: VecDeque<usize> = (0..requests.len()).collect();
         let mut live: Vec<Live> = Vec::new();
         let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
-        let mut pending_logits: Vec<candle_core::Tensor> = Vec::new();
         let batch_start = Instant::now();
         let mut written = 0usize;
         while !waiting.is_empty() || !live.is_empty() {
@@ -90,15 +103,28 @@ impl Generator<'_> {
                 let Some(index) = waiting.pop_front() else {
                     break;
                 };
-                let (joined, logits) = self.join(&mut cache, index, &requests[index])?;
-                observer.joined(index, requests[index].prompt.len());
-                live.push(joined);
-                pending_logits.push(logits);
+                live.push(Live {
+                    index,
+                    id: cache.add_sequence(),
+                    sampler: sampler(&self.settings),
+                    generated: Vec::new(),
+                    limit: requests[index].max_new_tokens,
+                    prompt_read: 0,
+                    next: None,
+                    logits: None,
+                    timing: Timing {
+                        prefill_tokens: requests[index].prompt.len(),
+                        ..Timing::default()
+                    },
+                });
             }
-            // Sample each answer's next token from its logits; finished answers leave.
-            let mut next = Vec::with_capacity(live.len());
+            // Sample the next token of each answer that has its logits; finished answers leave.
             let mut still = Vec::with_capacity(live.len());
-            for (mut answer, logits) in live.drain(..).zip(pending_logits.drain(..)) {
+            for mut answer in live.drain(..) {
+                let Some(logits) = answer.logits.take() else {
+                    still.push(answer);
+                    continue;
+                };
                 let logits = self.penalized(logits, &answer.generated)?;
                 let token = answer.sampler.sample(&logits)?;
                 let stop = self.stop_tokens.contains(&token);
@@ -112,7 +138,7 @@ impl Generator<'_> {
                     observer.finished(answer.index, &generation)?;
                     done[answer.index] = Some(generation);
                 } else {
-                    next.push(token);
+                    answer.next = Some(token);
                     still.push(answer);
                 }
             }
@@ -120,61 +146,55 @@ impl Generator<'_> {
             if live.is_empty() {
                 continue;
             }
-            let ids: Vec<SequenceId> = live.iter().map(|a| a.id).collect();
+            // One pass: each answer brings its prompt's next chunk, or its last token.
+            let inputs: Vec<(SequenceId, &[u32])> = live
+                .iter()
+                .map(|answer| {
+                    let tokens = match &answer.next {
+                        Some(token) => std::slice::from_ref(token),
+                        None => {
+                            let prompt = &requests[answer.index].prompt;
+                            let end = prompt.len().min(answer.prompt_read + chunk);
+                            &prompt[answer.prompt_read..end]
+                        }
+                    };
+                    (answer.id, tokens)
+                })
+                .collect();
+            let counts: Vec<usize> = inputs.iter().map(|(_, tokens)| tokens.len()).collect();
             let step_start = Instant::now();
             let logits = self
                 .model
-                .forward_paged(&mut cache, &ids, &next)
-                .context("decoding failed")?;
-            for row in 0..live.len() {
-                pending_logits.push(logits.get(row)?);
+                .forward_mixed(&mut cache, &inputs)
+                .context("a batched step failed")?;
+            let secs_per_token =
+                step_start.elapsed().as_secs_f64() / counts.iter().sum::<usize>() as f64;
+            let mut decoded = 0;
+            for (row, (answer, count)) in live.iter_mut().zip(counts).enumerate() {
+                let share = secs_per_token * count as f64;
+                if answer.next.take().is_some() {
+                    answer.timing.decode_tokens += 1;
+                    answer.timing.decode_secs += share;
+                    decoded += 1;
+                } else {
+                    answer.timing.prefill_secs += share;
+                    answer.prompt_read += count;
+                    let prompt_tokens = requests[answer.index].prompt.len();
+                    if answer.prompt_read < prompt_tokens {
+                        continue;
+                    }
+                    observer.joined(answer.index, prompt_tokens);
+                }
+                answer.logits = Some(logits.get(row)?);
             }
-            let share = step_start.elapsed().as_secs_f64() / live.len() as f64;
-            for answer in &mut live {
-                answer.timing.decode_tokens += 1;
-                answer.timing.decode_secs += share;
+            if decoded > 0 {
+                written += decoded;
+                let elapsed = batch_start.elapsed().as_secs_f64();
+                observer.stepped(decoded, written as f64 / elapsed.max(1e-9));
             }
-            written += live.len();
-            let elapsed = batch_start.elapsed().as_secs_f64();
-            observer.stepped(live.len(), written as f64 / elapsed.max(1e-9));
         }
         done.into_iter()
             .map(|g| g.context("a request was never answered"))
             .collect()
-    }
-
-    /// Starts request `index`: reads its prompt into a new sequence of `cache`; returns the
-    /// answer and the logits of its first token.
-    fn join(
-        &mut self,
-        cache: &mut PagedKvCache,
-        index: usize,
-        request: &Request,
-    ) -> Result<(Live, candle_core::Tensor)> {
-        let start = Instant::now();
-        let id = cache.add_sequence();
-        let mut logits = None;
-        for slice in request.prompt.chunks(PREFILL_SLICE) {
-            logits = Some(
-                self.model
-                    .forward_paged(cache, &[id], slice)
-                    .context("prefill failed")?
-                    .squeeze(0)?,
-            );
-        }
-        let logits = logits.context("empty prompt")?;
-        let answer = Live {
-            index,
-            id,
-            sampler: sampler(&self.settings),
-            generated: Vec::new(),
-            limit: request.max_new_tokens,
-            timing: Timing {
-                prefill_tokens: request.prompt.len(),
-                prefill_secs: start.elapsed().as_secs_f64(),
-                ..Timing::default()
-            },
-        };
-        Ok((answer, logits))
     }
 }

@@ -57,7 +57,7 @@ fn loaded_module(
     if let Some(loaded) = slot.as_ref() {
         return Ok(loaded.clone());
     }
-    // cudarc copies the image into an allocation of its own, which the driver reads in place.
+    // cudarc takes the image as a buffer of its own, freed once the driver has loaded it.
     let loaded = ctx
         .load_module(Ptx::from_binary(image.to_vec()))
         .map_err(|e| load_error(ctx, module, e))?;

@@ -1,12 +1,15 @@
 //! Reads `kernels/kernels.toml`, the one declaration of every kernel form, and generates:
 //!
 //! - always, `limits.rs`: the head dims and query tokens per sequence the op accepts;
-//! - with the `cuda` feature, the kernel instances (one `.cu` per module and dtype), their PTX
-//!   (nvcc), and `kernel_table.rs`: the form enum, the table of instances with the threads and
-//!   shared memory the compiler evaluated from the kernels' headers, and the Rust twins of the
-//!   launch parameter blocks, enums and constants, each checked against the compiler's layout.
+//! - with the `cuda` feature, the kernel instances (one `.cu` per module and dtype), a fatbin of
+//!   each (nvcc: machine code for the target, and the PTX so that newer GPUs can run it), and
+//!   `kernel_table.rs`: the form enum, the table of instances with the threads and shared memory
+//!   the compiler evaluated from the kernels' headers, and the Rust twins of the launch parameter
+//!   blocks, enums and constants, each checked against the compiler's layout.
 //!
-//! Without the feature nothing needs a CUDA toolkit.
+//! Without the feature nothing needs a CUDA toolkit. With `CANDLE_SPLITKV_PTX_ONLY=1` the fatbins
+//! hold the PTX alone: the build skips the machine-code compiler (ptxas), and the driver compiles
+//! each module when a process first loads it.
 
 use std::collections::BTreeMap;
 use std::env;
@@ -19,6 +22,8 @@ use serde::Deserialize;
 
 const KERNEL_DIR: &str = "kernels";
 const SPEC: &str = "kernels/kernels.toml";
+/// Set to 1 to build PTX without machine code (see the top of this file).
+const PTX_ONLY_VAR: &str = "CANDLE_SPLITKV_PTX_ONLY";
 /// The oldest target the kernels are written for.
 const MIN_COMPUTE_CAP: u32 = 80;
 
@@ -110,9 +115,9 @@ impl Form {
         }
     }
 
-    /// The nvcc virtual architecture of its module: `compute_90a`, or the build's target.
-    fn target(&self, compute_cap: &str) -> String {
-        format!("compute_{}", self.arch.as_deref().unwrap_or(compute_cap))
+    /// The architecture of its module: `90a`, or the build's target.
+    fn target<'a>(&'a self, compute_cap: &'a str) -> &'a str {
+        self.arch.as_deref().unwrap_or(compute_cap)
     }
 }
 
@@ -231,6 +236,7 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
         "CUDA_PATH",
         "CUDA_COMPUTE_CAP",
         "PATH",
+        PTX_ONLY_VAR,
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -253,6 +259,12 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
         ));
     }
 
+    let machine_code = match env::var(PTX_ONLY_VAR).as_deref() {
+        Err(_) | Ok("" | "0") => true,
+        Ok("1") => false,
+        Ok(other) => return Err(format!("{PTX_ONLY_VAR} must be 0 or 1, got {other:?}")),
+    };
+
     let instances = instances(spec, cap);
     let gen_dir = out_dir.join("kernels");
     fs::create_dir_all(&gen_dir).map_err(|e| format!("creating {}: {e}", gen_dir.display()))?;
@@ -266,8 +278,12 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     for (module, members) in &modules {
         let source = gen_dir.join(format!("{module}.cu"));
         write(&source, &module_source(members)?)?;
-        let target = members[0].form.target(&compute_cap);
-        jobs.push((source, out_dir.join(format!("{module}.ptx")), target));
+        jobs.push(NvccJob {
+            output: out_dir.join(format!("{module}.fatbin")),
+            source,
+            arch: members[0].form.target(&compute_cap).to_string(),
+            output_kind: OutputKind::Fatbin { machine_code },
+        });
     }
     // The table source: resource sizes, layouts and constants as globals the PTX spells out.
     let table_source = gen_dir.join("table.cu");
@@ -275,15 +291,17 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     write(&table_source, &table_code)?;
     let table_ptx = gen_dir.join("table.ptx");
     // The table includes every compiled form's header, so it takes an architecture-specific
-    // target where some form has one.
+    // target where some form has one. It is read here alone, so PTX is all it needs.
     let table_target = instances
         .iter()
         .find(|i| i.form.arch.is_some())
-        .map_or_else(
-            || format!("compute_{compute_cap}"),
-            |i| i.form.target(&compute_cap),
-        );
-    jobs.push((table_source, table_ptx.clone(), table_target));
+        .map_or(compute_cap.as_str(), |i| i.form.target(&compute_cap));
+    jobs.push(NvccJob {
+        source: table_source,
+        output: table_ptx.clone(),
+        arch: table_target.to_string(),
+        output_kind: OutputKind::Ptx,
+    });
     compile_all(&nvcc, &jobs)?;
 
     let values = ptx_globals(&table_ptx)?;
@@ -634,7 +652,7 @@ fn rust_table(
     for module in modules.keys() {
         writeln!(
             code,
-            "const PTX_{}: &str = include_str!(concat!(env!(\"OUT_DIR\"), \"/{module}.ptx\"));",
+            "const IMAGE_{}: &[u8] = include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{module}.fatbin\"));",
             module.to_uppercase()
         )
         .unwrap();
@@ -658,7 +676,7 @@ fn rust_table(
             code,
             "    KernelSpec {{ form: KernelForm::{form}, dtype: candle_core::DType::{dtype}, \
              kv_dtype: candle_core::DType::{kv}, head_dim: {d}, group: {g}, symbol: \"{sym}\", \
-             module: \"{module}\", ptx: PTX_{upper}, threads: {threads}, smem_bytes: {smem}, \
+             module: \"{module}\", image: IMAGE_{upper}, threads: {threads}, smem_bytes: {smem}, \
              cluster_smem_bytes: {cluster}, tile_rows: {tile_rows}, tile_keys: {tile_keys} }},",
             form = inst.form.name,
             dtype = inst.dtype.to_uppercase(),
@@ -764,26 +782,56 @@ fn ptx_globals(ptx: &Path) -> Result<BTreeMap<String, i64>, String> {
     Ok(values)
 }
 
-/// Runs nvcc on every (source, ptx, virtual architecture) at once.
-fn compile_all(nvcc: &Path, jobs: &[(PathBuf, PathBuf, String)]) -> Result<(), String> {
-    let spawn = |source: &Path, ptx: &Path, target: &str| -> Result<Child, String> {
-        Command::new(nvcc)
-            .arg("--ptx")
-            .arg(format!("--gpu-architecture={target}"))
+/// What nvcc makes of a source.
+enum OutputKind {
+    /// PTX text, for the table build.rs reads.
+    Ptx,
+    /// A module the crate embeds: the PTX, and with `machine_code` the target's machine code.
+    Fatbin { machine_code: bool },
+}
+
+/// One nvcc run: `source` compiled for `arch` (such as `90` or `90a`) into `output`.
+struct NvccJob {
+    source: PathBuf,
+    output: PathBuf,
+    arch: String,
+    output_kind: OutputKind,
+}
+
+impl NvccJob {
+    fn spawn(&self, nvcc: &Path) -> Result<Child, String> {
+        let arch = &self.arch;
+        let mut command = Command::new(nvcc);
+        match self.output_kind {
+            OutputKind::Ptx => command
+                .arg("--ptx")
+                .arg(format!("--gpu-architecture=compute_{arch}")),
+            // The driver loads the machine code where it matches the GPU, else compiles the PTX.
+            OutputKind::Fatbin { machine_code } => command.arg("--fatbin").arg(if machine_code {
+                format!("--generate-code=arch=compute_{arch},code=[sm_{arch},compute_{arch}]")
+            } else {
+                format!("--generate-code=arch=compute_{arch},code=compute_{arch}")
+            }),
+        };
+        command
             .args(["-O3", "-std=c++17", "-Werror", "all-warnings"])
             .arg("-I")
             .arg(KERNEL_DIR)
             .arg("-o")
-            .arg(ptx)
-            .arg(source)
+            .arg(&self.output)
+            .arg(&self.source)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| format!("running {}: {e}", nvcc.display()))
-    };
+    }
+}
+
+/// Runs nvcc on every job at once.
+fn compile_all(nvcc: &Path, jobs: &[NvccJob]) -> Result<(), String> {
     let children = jobs
         .iter()
-        .map(|(source, ptx, target)| spawn(source, ptx, target).map(|c| (source, c)))
+        .map(|job| job.spawn(nvcc).map(|c| (&job.source, c)))
         .collect::<Result<Vec<_>, _>>()?;
     let mut failures = String::new();
     for (source, child) in children {

@@ -108,7 +108,9 @@
 //!   the attention layer and the fused projections.
 //! - `cuda`: the CUDA kernels, compiled by `nvcc` for the compute capability in
 //!   `CUDA_COMPUTE_CAP` (80 or later, e.g. `90`), or else that of the GPU `nvidia-smi` finds at
-//!   build time.
+//!   build time: machine code for that target, and PTX that the driver compiles for newer GPUs
+//!   (`CANDLE_SPLITKV_PTX_ONLY=1` builds the PTX alone, faster, at the cost of that compile on
+//!   the first load).
 //! - `test-hooks`: switches the crate's own tests and benchmarks use (NaN poisoning of kernel
 //!   outputs, launch counts, the split plan); not part of the API.
 

@@ -1,6 +1,6 @@
 //! The compiled kernels: the table that build.rs generates from `kernels/kernels.toml` (one entry
 //! per instance, with the threads and shared memory the kernels' headers define), looked up by
-//! form, dtypes, head dim and group, and loaded on first use.
+//! form, dtypes, head dim and group, and loaded on first use ([`super::modules`]).
 
 use candle_core::{CudaDevice, DType, Result};
 use cudarc::driver::CudaFunction;
@@ -19,9 +19,9 @@ pub(crate) struct KernelSpec {
     /// Query heads a CTA holds at most; 0 for forms without a group.
     pub group: usize,
     pub symbol: &'static str,
-    /// The PTX module holding the kernel, and its text.
+    /// The module holding the kernel, and its fatbin.
     pub module: &'static str,
-    pub ptx: &'static str,
+    pub image: &'static [u8],
     pub threads: u32,
     /// Dynamic shared memory the kernel needs (it traps on less).
     pub smem_bytes: usize,
@@ -100,9 +100,9 @@ impl KernelForm {
 }
 
 impl KernelSpec {
-    /// The kernel in `dev`'s context; candle loads each module once per device.
+    /// The kernel in `dev`'s context, its module loaded there on first use.
     pub fn load(&self, dev: &CudaDevice) -> Result<CudaFunction> {
-        Ok((*dev.get_or_load_custom_func(self.symbol, self.module, self.ptx)?).clone())
+        super::modules::function(dev, self.module, self.image, self.symbol)
     }
 
     /// The same instance in another form: same dtypes, head dim and group bound.

@@ -12,7 +12,7 @@ use cudarc::driver::{
     sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-/// The target architecture build.rs compiled the PTX for.
+/// The target architecture build.rs compiled the kernels for.
 pub(crate) fn compiled_compute_cap() -> u32 {
     env!("CANDLE_SPLITKV_COMPUTE_CAP").parse().unwrap_or(0)
 }

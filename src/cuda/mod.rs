@@ -15,6 +15,7 @@ pub(crate) mod kernels;
 pub(crate) mod launch;
 mod lockstep;
 pub(crate) mod memory;
+mod modules;
 mod planner;
 pub(crate) mod prefill;
 pub(crate) mod rope_split;

@@ -143,7 +143,7 @@ fn multiprocessors(dev: &CudaDevice) -> Result<usize> {
     Ok(sms.max(1) as usize)
 }
 
-/// Whether the sm_90a form is compiled for the call and runs on `dev`: its PTX targets the
+/// Whether the sm_90a form is compiled for the call and runs on `dev`: its code targets the
 /// architecture-specific sm_90a, which only a compute capability 9.0 device loads.
 fn wgmma_covers(
     call: &DecodeCall,

@@ -1,7 +1,8 @@
 //! Reads `kernels/kernels.toml`, the one declaration of every kernel form, and generates:
 //!
 //! - always, `limits.rs`: the head dims and query tokens per sequence the op accepts;
-//! - with the `cuda` feature, the kernel instances (one `.cu` per module and dtype), a fatbin of
+//! - with the `cuda` feature, each form's variant traits (its values on the feature axes, as named
+//!   flags its kernel takes), the kernel instances (one `.cu` per module and dtype), a fatbin of
 //!   each (nvcc: machine code for the target, and the PTX so that newer GPUs can run it), and
 //!   `kernel_table.rs`: the form enum, the table of instances with the threads and shared memory
 //!   the compiler evaluated from the kernels' headers, and the Rust twins of the launch parameter
@@ -31,6 +32,12 @@ const MIN_COMPUTE_CAP: u32 = 80;
 struct Spec {
     head_dims: Vec<usize>,
     max_query_tokens: usize,
+    #[serde(default)]
+    axis: Vec<Axis>,
+    /// Each kernel and its forms, as written: see [`expand_forms`].
+    kernel: Vec<toml::Table>,
+    /// Every form of every kernel, expanded.
+    #[serde(skip)]
     form: Vec<Form>,
     #[serde(default)]
     params: Vec<Named>,
@@ -40,13 +47,38 @@ struct Spec {
     constants: Vec<ConstantSpec>,
 }
 
+/// A feature axis: a flag of the variant traits a kernel takes, `kCamelCase` of its name.
 #[derive(Deserialize)]
+struct Axis {
+    name: String,
+    doc: String,
+}
+
+impl Axis {
+    fn flag(&self) -> String {
+        let mut flag = String::from("k");
+        for word in self.name.split('_') {
+            let mut chars = word.chars();
+            if let Some(first) = chars.next() {
+                flag.push(first.to_ascii_uppercase());
+                flag.extend(chars);
+            }
+        }
+        flag
+    }
+}
+
+/// One kernel form: its kernel's keys, overridden by its own, with its point on the axes.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Form {
     name: String,
     header: String,
     module: String,
     params: String,
-    kernel: String,
+    /// The `__device__` function the form runs, with its template arguments: `T`, `KV`, `D`, `G`
+    /// as in `threads`, and `V` for the form's variant traits.
+    entry: String,
     dtypes: Vec<String>,
     /// K/V storage types besides the element type (fp8 K/V under f16/bf16 queries); a form that
     /// lists any has a `KV` template parameter, the element type itself in its plain instances.
@@ -70,6 +102,9 @@ struct Form {
     /// An architecture-specific target such as "90a": the form is compiled for it alone, and
     /// only in a build whose compute capability is that architecture.
     arch: Option<String>,
+    /// The variant: every axis of the kernel with its value, as (flag, value, doc).
+    #[serde(skip)]
+    variant: Vec<(String, bool, String)>,
 }
 
 /// The head dims a form is instantiated at: `true` for every one the op takes, or a list.
@@ -152,13 +187,74 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let text = fs::read_to_string(SPEC).map_err(|e| format!("reading {SPEC}: {e}"))?;
-    let spec: Spec = toml::from_str(&text).map_err(|e| format!("{SPEC}: {e}"))?;
+    let mut spec: Spec = toml::from_str(&text).map_err(|e| format!("{SPEC}: {e}"))?;
+    spec.form = expand_forms(&spec).map_err(|e| format!("{SPEC}: {e}"))?;
     let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
     write_limits(&spec, &out_dir)?;
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return Ok(());
     }
     build_kernels(&spec, &out_dir)
+}
+
+/// Each `[[kernel]]` as its forms: the kernel's keys but `axes` and `forms`, overridden by the
+/// form's own, and the form's value on each of the kernel's axes (false where it names none).
+fn expand_forms(spec: &Spec) -> Result<Vec<Form>, String> {
+    let mut forms: Vec<Form> = Vec::new();
+    for kernel in &spec.kernel {
+        let mut base = kernel.clone();
+        let axes = match base.remove("axes") {
+            None => Vec::new(),
+            Some(toml::Value::Array(names)) => names
+                .iter()
+                .map(|name| {
+                    spec.axis
+                        .iter()
+                        .find(|a| Some(a.name.as_str()) == name.as_str())
+                        .ok_or_else(|| format!("{name} is not an [[axis]]"))
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(other) => return Err(format!("`axes` lists axis names, got {other}")),
+        };
+        let Some(toml::Value::Array(list)) = base.remove("forms") else {
+            return Err("every [[kernel]] lists its `forms` (one table each)".into());
+        };
+        for entry in list {
+            let toml::Value::Table(mut table) = entry else {
+                return Err(format!("`forms` holds tables, got {entry}"));
+            };
+            let name = table
+                .get("name")
+                .and_then(toml::Value::as_str)
+                .ok_or("every form has a `name`")?
+                .to_string();
+            let mut variant = Vec::new();
+            for axis in &axes {
+                let value = match table.remove(&axis.name) {
+                    None => false,
+                    Some(toml::Value::Boolean(b)) => b,
+                    Some(other) => {
+                        return Err(format!(
+                            "form {name}: axis `{}` is true or false, got {other}",
+                            axis.name
+                        ))
+                    }
+                };
+                variant.push((axis.flag(), value, axis.doc.clone()));
+            }
+            let mut merged = base.clone();
+            merged.extend(table);
+            let mut form: Form = toml::Value::Table(merged).try_into().map_err(|e| {
+                format!("form {name} (an axis it sets must be in its kernel's `axes`): {e}")
+            })?;
+            if forms.iter().any(|f| f.name == form.name) {
+                return Err(format!("two forms are named {name}"));
+            }
+            form.variant = variant;
+            forms.push(form);
+        }
+    }
+    Ok(forms)
 }
 
 /// The limits every backend enforces: the head dims and the query tokens per sequence.
@@ -365,8 +461,27 @@ fn wrapper_params(form: &Form) -> String {
     params.join(", ")
 }
 
-/// A form's declaration as C++: a struct template that names its threads, shared memory and
-/// entry point. Included by the module sources and the table source alike.
+/// A form's variant traits as C++: a struct of its values on its kernel's axes, named after the
+/// form, that the kernel takes as one template parameter; empty for a kernel without axes.
+fn variant_struct(form: &Form) -> String {
+    if form.variant.is_empty() {
+        return String::new();
+    }
+    let mut code = format!("namespace variants {{\nstruct {} {{\n", form.name);
+    for (flag, value, doc) in &form.variant {
+        writeln!(
+            code,
+            "    static constexpr bool {flag} = {value};  // {doc}"
+        )
+        .unwrap();
+    }
+    code.push_str("};\n}  // namespace variants\n");
+    code
+}
+
+/// A form's declaration as C++: its variant traits and a struct template that names its threads,
+/// shared memory and entry point (`V` in it the variant). Included by the module sources and the
+/// table source alike.
 fn wrapper_struct(form: &Form) -> String {
     let cluster = form
         .cluster_smem
@@ -380,19 +495,26 @@ fn wrapper_struct(form: &Form) -> String {
     let tile = optional("kTileRows", form.tile_rows.as_deref())
         + &optional("kTileKeys", form.tile_keys.as_deref())
         + &optional("kMinCtasPerSm", form.min_ctas_per_sm.expr().as_deref());
+    let variant = if form.variant.is_empty() {
+        String::new()
+    } else {
+        format!("    using V = variants::{};\n", form.name)
+    };
     format!(
-        "namespace forms {{\ntemplate <{params}> struct {name} {{\n\
+        "{variant_struct}namespace forms {{\ntemplate <{params}> struct {name} {{\n\
+         {variant}\
          \x20   static constexpr int kThreadsPerCta = ({threads});\n\
          \x20   static constexpr int kSmemBytes = ({smem});\n\
          {cluster}{tile}\
-         \x20   static __device__ __forceinline__ void run(const {p}& p) {{ {kernel}(p); }}\n\
+         \x20   static __device__ __forceinline__ void run(const {p}& p) {{ {entry}(p); }}\n\
          }};\n}}  // namespace forms\n",
+        variant_struct = variant_struct(form),
         params = wrapper_params(form),
         name = form.name,
         threads = form.threads,
         smem = form.smem,
         p = form.params,
-        kernel = form.kernel,
+        entry = form.entry,
     )
 }
 

@@ -85,24 +85,16 @@ template <int D> struct PrefillShape {
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
 };
 
-// A kernel instance's features, as named flags: the base has none; the wrappers below add one
-// each (PrefillPaged<PrefillWindowed<PrefillTraits<...>>>). A traits struct may also name its
-// own Shape.
-template <typename Elem, typename KvElem, int HeadDim> struct PrefillTraits {
+// A kernel instance's types and features. Variant: the form's flags (generated from
+// kernels.toml's axes): kPaged, K/V in a page pool read through a block table; kWindowed, a
+// sliding window and soft-capping. A traits struct may also name its own Shape.
+template <typename Elem, typename KvElem, int HeadDim, class Variant> struct PrefillTraits {
     using T = Elem;     // q and output
     using KV = KvElem;  // K/V storage: T, or __nv_fp8_e4m3
     static constexpr int kHeadDim = HeadDim;
-    static constexpr bool kPaged = false;     // K/V in a page pool read through a block table
-    static constexpr bool kWindowed = false;  // sliding window and soft-capping
+    static constexpr bool kPaged = Variant::kPaged;
+    static constexpr bool kWindowed = Variant::kWindowed;
     using Shape = PrefillShape<HeadDim>;
-};
-
-template <class Base> struct PrefillPaged : Base {
-    static constexpr bool kPaged = true;
-};
-
-template <class Base> struct PrefillWindowed : Base {
-    static constexpr bool kWindowed = true;
 };
 
 // Rows of ROW_BYTES in shared memory, padded by 16 bytes where the row holds an even number of

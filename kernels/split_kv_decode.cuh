@@ -36,9 +36,10 @@ template <typename T, int D, int GMAX> struct Tiling {
     static constexpr int kTotalSmem = kSmemBytes + (kQInRegisters ? 0 : GMAX * D * (int)sizeof(float));
 };
 
-// WINDOWED: the form that applies a sliding window (p.window_left) and soft-capping
-// (p.softcap_log2); a form of its own, so that the others' code is not touched by either.
-template <typename T, int D, int GMAX, bool WINDOWED, bool PAGED = false>
+// V, the form's variant (kernels.toml's axes): kWindowed applies a sliding window (p.window_left)
+// and soft-capping (p.softcap_log2), in forms of their own so that the others' code is not
+// touched by either; kPaged reads K/V through the block table.
+template <typename T, int D, int GMAX, class V>
 __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     using Cfg = Tiling<T, D, GMAX>;
     constexpr int CHUNKS = Cfg::kChunks;
@@ -67,13 +68,13 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const SplitRange range = split_range(p, split, len);
     // Positions before the first query token's window are never streamed.
-    const int start = WINDOWED ? max(range.start, visible_begin(p, len, 0)) : range.start;
+    const int start = V::kWindowed ? max(range.start, visible_begin(p, len, 0)) : range.start;
     const int end = range.end;
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
     // In [shared_begin, shared_end) every query row sees every position; elsewhere row g sees
     // [row_begin[g], row_end[g]). Without a window both begins are 0.
     const int shared_end = min(end, visible_end(len, 0, p.query_tokens));
-    const int shared_begin = WINDOWED ? visible_begin(p, len, p.query_tokens - 1) : 0;
+    const int shared_begin = V::kWindowed ? visible_begin(p, len, p.query_tokens - 1) : 0;
     int row_begin[GMAX], row_end[GMAX];
 
     // Queries, pre-scaled so that scores come out in base 2.
@@ -93,7 +94,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     for (int g = 0; g < GMAX; ++g) {
         const QueryRow r = query(g);
         row_end[g] = r.head < 0 ? end : min(end, visible_end(len, r.token, p.query_tokens));
-        row_begin[g] = WINDOWED && r.head >= 0 ? visible_begin(p, len, r.token) : 0;
+        row_begin[g] = V::kWindowed && r.head >= 0 ? visible_begin(p, len, r.token) : 0;
     }
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
@@ -117,13 +118,13 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     T* ring = reinterpret_cast<T*>(smem) + (size_t)warp * STAGES * (Cfg::kStageBytes / sizeof(T));
     const int kv_source = kv_head / p.blocks_per_kv_head;  // the K/V head this block of queries reads
     // Paged: row 0 of (page 0, the K/V head), each row found through the sequence's pages.
-    const T* k_base = PAGED
+    const T* k_base = V::kPaged
         ? static_cast<const T*>(p.k) + kv_source * p.k_head_stride
         : static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_source * p.k_head_stride;
-    const T* v_base = PAGED
+    const T* v_base = V::kPaged
         ? static_cast<const T*>(p.v) + kv_source * p.v_head_stride
         : static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_source * p.v_head_stride;
-    const uint32_t* pages = PAGED ? p.block_table + (long long)b * p.max_pages : nullptr;
+    const uint32_t* pages = V::kPaged ? p.block_table + (long long)b * p.max_pages : nullptr;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
     auto load_tile = [&](int n) {
@@ -135,7 +136,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
             const int r = i / PIECES, c = i - r * PIECES;
             const bool valid = first + r < end;
             const long long pos = valid ? first + r : start;  // never form an address past the end
-            if constexpr (PAGED) {
+            if constexpr (V::kPaged) {
                 const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
                 const T* k_row = k_base + at.page * p.k_batch_stride + at.row * p.k_seq_stride;
                 const T* v_row = v_base + at.page * p.v_batch_stride + at.row * p.v_seq_stride;
@@ -213,13 +214,13 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
                 for (int g = 0; g < GMAX; ++g)
                     score[g][step] += __shfl_xor_sync(0xffffffffu, score[g][step], o);
             const int pos = first + row;
-            const bool shared = pos < shared_end && (!WINDOWED || pos >= shared_begin);
+            const bool shared = pos < shared_end && (!V::kWindowed || pos >= shared_begin);
 #pragma unroll
             for (int g = 0; g < GMAX; ++g) {
-                const bool seen = pos < row_end[g] && (!WINDOWED || pos >= row_begin[g]);
+                const bool seen = pos < row_end[g] && (!V::kWindowed || pos >= row_begin[g]);
                 score[g][step] = shared || seen ? score[g][step] : -INFINITY;
             }
-            if constexpr (WINDOWED) {
+            if constexpr (V::kWindowed) {
                 if (p.softcap_log2 > 0.f) {
 #pragma unroll
                     for (int g = 0; g < GMAX; ++g) score[g][step] = soft_capped(p, score[g][step]);

@@ -10,7 +10,6 @@ use candle_splitkv::models::speculative::{
     DraftModel, Drafter, PromptLookup, Sampling, SpeculativeDecoder,
 };
 use candle_splitkv::test_hooks::split_plan;
-use candle_splitkv::AttentionBackend;
 use candle_splitkv::{AttentionStep, CachedAttention, KvCache, KvCacheConfig, SplitKvAttention};
 
 use crate::common::tiny_llama::{

@@ -327,15 +327,16 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         }
     }
 
-    // Scores: S = Q · Kᵀ for the tile in slot `slot` of the warp's `ring`. s[rb][nt][j]: head
+    // Scores: S = Q · Kᵀ for the tile at `stage_offset` in the warp's `ring`. s[rb][nt][j]: head
     // quad_row (j < 2) or quad_row + 8 (j >= 2), tile row rb*16 + nt*8 + quad_col*2 + (j&1).
     // k_lane_row, k_lane_piece: this lane's ldmatrix row address (see run).
-    // The ring and slot rather than the stage's address: the stage's address as an argument of
+    // The ring and an offset rather than the stage's address: the stage's address as an argument of
     // both this and accumulate makes nvcc fold the ring's addresses differently in the loads.
     static __device__ __forceinline__ void scores(float (&s)[RB][2][4], const unsigned char* ring,
-                                                  int slot, const uint32_t (&q_frag)[KSTEPS][4],
+                                                  int stage_offset,
+                                                  const uint32_t (&q_frag)[KSTEPS][4],
                                                   int k_lane_row, int k_lane_piece, int lane) {
-        const unsigned char* stage = ring + slot * Cfg::kStageBytes;
+        const unsigned char* stage = ring + stage_offset;
         // Long k-step chains are split in two (even and odd k-steps, summed at the end) so
         // that each dependent chain of MMAs is at most four long.
         float s_odd[RB][2][4];
@@ -488,13 +489,13 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         }
     }
 
-    // Accumulate: O += P · V for the tile in slot `slot` of the warp's `ring` (see scores).
+    // Accumulate: O += P · V for the tile at `stage_offset` in the warp's `ring` (see scores).
     // v_lane_row, v_lane_piece: this lane's ldmatrix row address (see run).
     static __device__ __forceinline__ void accumulate(float (&acc)[NTILES][4],
                                                       const uint32_t (&p_frag)[RB][4],
-                                                      const unsigned char* ring, int slot,
+                                                      const unsigned char* ring, int stage_offset,
                                                       int v_lane_row, int v_lane_piece, int lane) {
-        const unsigned char* stage = ring + slot * Cfg::kStageBytes;
+        const unsigned char* stage = ring + stage_offset;
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
             if constexpr (FP8) {
@@ -771,13 +772,16 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
                 __syncwarp();  // this tile visible to the whole warp; the previous slot free for reuse
                 issue_next();
 
+                // The stage's offset before the tile's first position: nvcc's code for the loop
+                // follows this order.
+                const int stage_offset = (consumed % STAGES) * Cfg::kStageBytes;
                 const int first = it.start + (warp + n * kWarps) * ROWS;
                 float s[RB][2][4];
-                scores(s, ring, consumed % STAGES, q_frag, k_lane_row, k_lane_piece, lane);
+                scores(s, ring, stage_offset, q_frag, k_lane_row, k_lane_piece, lane);
                 mask_scores(p, it, s, first, quad_col, row_end, row_begin);
                 uint32_t p_frag[RB][4];
                 softmax_update(s, run_max, run_sum, acc, p_frag);
-                accumulate(acc, p_frag, ring, consumed % STAGES, v_lane_row, v_lane_piece, lane);
+                accumulate(acc, p_frag, ring, stage_offset, v_lane_row, v_lane_piece, lane);
             }
 
             if (V::kLockstep && arrived) cluster_wait();  // no arrival left pending at exit

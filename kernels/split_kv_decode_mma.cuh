@@ -733,13 +733,13 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         const int k_lane_row = (lane >> 4) * 8 + (lane & 7), k_lane_piece = (lane >> 3) & 1;
         const int v_lane_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_lane_piece = lane >> 4;
 
-        int consumed = 0;  // tiles this warp has taken out of its ring
         // Lockstep: every warp of the cluster arrives at tiles lockstep_tiles, 2 ·
         // lockstep_tiles, ... below the tiles all of them stream (their items differ only in the
         // block of query heads), and waits on the previous arrival before the next one.
         constexpr int kNoSync = 0x7fffffff;
         int next_sync = kNoSync, last_sync = 0;
         bool arrived = false;
+        int consumed = 0;  // tiles this warp has taken out of its ring
         if constexpr (V::kLockstep) {
             const int tiles = first.end > first.start ? (first.end - first.start + ROWS - 1) / ROWS : 0;
             last_sync = tiles / kWarps - 1;

@@ -279,81 +279,6 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
     static constexpr int LANE_ROWS = kLaneFixed ? 32 / PIECES : 1;
     static constexpr int PER_LANE = kLaneFixed ? ROWS * PIECES / 32 : 1;
 
-    // A lane's share of the copies that fill a ring slot, fixed for the whole kernel.
-    struct CopyLanes {
-        unsigned char* ring;   // this warp's ring
-        unsigned ring_shared;  // its shared-memory address
-        int lane_row, lane_piece;
-        int dst[PER_LANE];     // ring offsets of this lane's pieces of a full tile
-        long long k_row_bytes, v_row_bytes, k_lane, v_lane, k_page_bytes, v_page_bytes;
-        unsigned long long policy;
-    };
-
-    // Load: tile n of this warp's share of item `it`, K then V, into ring slot `slot`.
-    static __device__ __forceinline__ void load_tile(const DecodeParams& p, const CopyLanes& c,
-                                                     int slot, const MmaItem& it, int n, int warp,
-                                                     int lane) {
-        const int first = it.start + (warp + n * kWarps) * ROWS;
-        // Paged: each row looks its page up in the sequence's row of the block table (pages may
-        // be shorter than a tile).
-        const uint32_t* pages = V::kPaged ? p.block_table + (long long)it.b * p.max_pages : nullptr;
-        if constexpr (V::kPaged) {
-            if (kLaneFixed && first + ROWS <= it.end) {
-                const unsigned k_dst = c.ring_shared + slot * Cfg::kStageBytes;
-                const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
-#pragma unroll
-                for (int j = 0; j < PER_LANE; ++j) {
-                    const PagedRow at = paged_row(p, pages, first + c.lane_row + j * LANE_ROWS);
-                    cp_async16_to_hint(k_dst + c.dst[j],
-                                       it.k + at.page * c.k_page_bytes + at.row * c.k_row_bytes +
-                                           c.lane_piece * 16,
-                                       c.policy);
-                    cp_async16_to_hint(v_dst + c.dst[j],
-                                       it.v + at.page * c.v_page_bytes + at.row * c.v_row_bytes +
-                                           c.lane_piece * 16,
-                                       c.policy);
-                }
-                return;
-            }
-        } else if (kLaneFixed && first + ROWS <= it.end) {
-            const char* k_src = it.k + first * c.k_row_bytes + c.k_lane;
-            const char* v_src = it.v + first * c.v_row_bytes + c.v_lane;
-            const unsigned k_dst = c.ring_shared + slot * Cfg::kStageBytes;
-            const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
-#pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {
-                cp_async16_to_hint(k_dst + c.dst[j], k_src + j * LANE_ROWS * c.k_row_bytes, c.policy);
-                cp_async16_to_hint(v_dst + c.dst[j], v_src + j * LANE_ROWS * c.v_row_bytes, c.policy);
-            }
-            return;
-        }
-        unsigned char* k_s = c.ring + slot * Cfg::kStageBytes;
-        unsigned char* v_s = k_s + ROWS * ROW_BYTES;
-#pragma unroll
-        for (int i = lane; i < ROWS * PIECES; i += 32) {
-            // Each eight lanes must fill one aligned line. Rows of whole groups of eight pieces
-            // do that with lanes on consecutive pieces (the XOR permutes within a line), which
-            // keeps a lane's source offset the same in every row; other rows take consecutive
-            // slots instead.
-            constexpr bool kLanesOnPieces = Cfg::kPieceGroup == 8;
-            const int r = i / PIECES, at = i - r * PIECES;
-            const int col = kLanesOnPieces ? at : piece_slot<KV, D, GMAX>(r, at);
-            const bool valid = first + r < it.end;
-            const long long pos = valid ? first + r : it.start;  // never past the end
-            const int dst = kLanesOnPieces ? piece_offset<KV, D, GMAX>(r, col) : i * 16;
-            if constexpr (V::kPaged) {
-                const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
-                cp_async16(k_s + dst, it.k + at.page * c.k_page_bytes + at.row * c.k_row_bytes + col * 16,
-                           valid);
-                cp_async16(v_s + dst, it.v + at.page * c.v_page_bytes + at.row * c.v_row_bytes + col * 16,
-                           valid);
-            } else {
-                cp_async16(k_s + dst, it.k + pos * c.k_row_bytes + col * 16, valid);
-                cp_async16(v_s + dst, it.v + pos * c.v_row_bytes + col * 16, valid);
-            }
-        }
-    }
-
     // Load: Q as A fragments, one set per k-step; rows past the group, and padding heads, are
     // zero. row_end: where the positions that rows quad_row and quad_row + 8 see end in the item;
     // row_begin (windowed forms): where they begin.
@@ -402,12 +327,16 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         }
     }
 
-    // Scores: S = Q · Kᵀ for the tile in `stage`. s[rb][nt][j]: head quad_row (j < 2) or
-    // quad_row + 8 (j >= 2), tile row rb*16 + nt*8 + quad_col*2 + (j&1).
+    // Scores: S = Q · Kᵀ for the tile at `stage_offset` in the warp's `ring`. s[rb][nt][j]: head
+    // quad_row (j < 2) or quad_row + 8 (j >= 2), tile row rb*16 + nt*8 + quad_col*2 + (j&1).
     // k_lane_row, k_lane_piece: this lane's ldmatrix row address (see run).
-    static __device__ __forceinline__ void scores(float (&s)[RB][2][4], const unsigned char* stage,
+    // The ring and an offset rather than the stage's address: the stage's address as an argument of
+    // both this and accumulate makes nvcc fold the ring's addresses differently in the loads.
+    static __device__ __forceinline__ void scores(float (&s)[RB][2][4], const unsigned char* ring,
+                                                  int stage_offset,
                                                   const uint32_t (&q_frag)[KSTEPS][4],
                                                   int k_lane_row, int k_lane_piece, int lane) {
+        const unsigned char* stage = ring + stage_offset;
         // Long k-step chains are split in two (even and odd k-steps, summed at the end) so
         // that each dependent chain of MMAs is at most four long.
         float s_odd[RB][2][4];
@@ -560,12 +489,13 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         }
     }
 
-    // Accumulate: O += P · V for the tile in `stage`. v_lane_row, v_lane_piece: this lane's
-    // ldmatrix row address (see run).
+    // Accumulate: O += P · V for the tile at `stage_offset` in the warp's `ring` (see scores).
+    // v_lane_row, v_lane_piece: this lane's ldmatrix row address (see run).
     static __device__ __forceinline__ void accumulate(float (&acc)[NTILES][4],
                                                       const uint32_t (&p_frag)[RB][4],
-                                                      const unsigned char* stage, int v_lane_row,
-                                                      int v_lane_piece, int lane) {
+                                                      const unsigned char* ring, int stage_offset,
+                                                      int v_lane_row, int v_lane_piece, int lane) {
+        const unsigned char* stage = ring + stage_offset;
 #pragma unroll
         for (int rb = 0; rb < RB; ++rb) {
             if constexpr (FP8) {
@@ -677,21 +607,85 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         // kernel (programmatic launch); from here on it reads what that kernel wrote.
         wait_for_prerequisite_grid();
 
-        CopyLanes copy;
-        copy.ring = smem + warp * STAGES * Cfg::kStageBytes;
-        copy.k_row_bytes = p.k_seq_stride * (long long)sizeof(KV);
-        copy.v_row_bytes = p.v_seq_stride * (long long)sizeof(KV);
-        copy.lane_row = kLaneFixed ? lane / PIECES : 0;
-        copy.lane_piece = kLaneFixed ? lane % PIECES : 0;
-        copy.ring_shared = static_cast<unsigned>(__cvta_generic_to_shared(copy.ring));
+        unsigned char* ring = smem + warp * STAGES * Cfg::kStageBytes;
+        const long long k_row_bytes = p.k_seq_stride * (long long)sizeof(KV);
+        const long long v_row_bytes = p.v_seq_stride * (long long)sizeof(KV);
+        const int lane_row = kLaneFixed ? lane / PIECES : 0, lane_piece = kLaneFixed ? lane % PIECES : 0;
+        const unsigned ring_shared = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+        int lane_dst[PER_LANE];
 #pragma unroll
         for (int j = 0; j < PER_LANE; ++j)
-            copy.dst[j] = piece_offset<KV, D, GMAX>(copy.lane_row + j * LANE_ROWS, copy.lane_piece);
-        copy.k_lane = copy.lane_row * copy.k_row_bytes + copy.lane_piece * 16;
-        copy.v_lane = copy.lane_row * copy.v_row_bytes + copy.lane_piece * 16;
-        copy.k_page_bytes = p.k_batch_stride * (long long)sizeof(KV);
-        copy.v_page_bytes = p.v_batch_stride * (long long)sizeof(KV);
-        copy.policy = l2_evict_first_policy();
+            lane_dst[j] = piece_offset<KV, D, GMAX>(lane_row + j * LANE_ROWS, lane_piece);
+        const long long k_lane = lane_row * k_row_bytes + lane_piece * 16;
+        const long long v_lane = lane_row * v_row_bytes + lane_piece * 16;
+        const long long k_page_bytes = p.k_batch_stride * (long long)sizeof(KV);
+        const long long v_page_bytes = p.v_batch_stride * (long long)sizeof(KV);
+        const unsigned long long stream_policy = l2_evict_first_policy();
+
+        // Load: tile n of this warp's share of item `it`, K then V, into ring slot `slot`. A lambda
+        // over the copy state above, not a function of this struct: handed that state as
+        // arguments, nvcc orders the kernels' registers differently and moves their spills.
+        auto load_tile = [&](int slot, const MmaItem& it, int n) {
+            const int first = it.start + (warp + n * kWarps) * ROWS;
+            // Paged: each row looks its page up in the sequence's row of the block table (pages may
+            // be shorter than a tile).
+            const uint32_t* pages = V::kPaged ? p.block_table + (long long)it.b * p.max_pages : nullptr;
+            if constexpr (V::kPaged) {
+                if (kLaneFixed && first + ROWS <= it.end) {
+                    const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
+                    const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
+#pragma unroll
+                    for (int j = 0; j < PER_LANE; ++j) {
+                        const PagedRow at = paged_row(p, pages, first + lane_row + j * LANE_ROWS);
+                        cp_async16_to_hint(k_dst + lane_dst[j],
+                                           it.k + at.page * k_page_bytes + at.row * k_row_bytes +
+                                               lane_piece * 16,
+                                           stream_policy);
+                        cp_async16_to_hint(v_dst + lane_dst[j],
+                                           it.v + at.page * v_page_bytes + at.row * v_row_bytes +
+                                               lane_piece * 16,
+                                           stream_policy);
+                    }
+                    return;
+                }
+            } else if (kLaneFixed && first + ROWS <= it.end) {
+                const char* k_src = it.k + first * k_row_bytes + k_lane;
+                const char* v_src = it.v + first * v_row_bytes + v_lane;
+                const unsigned k_dst = ring_shared + slot * Cfg::kStageBytes;
+                const unsigned v_dst = k_dst + ROWS * ROW_BYTES;
+#pragma unroll
+                for (int j = 0; j < PER_LANE; ++j) {
+                    cp_async16_to_hint(k_dst + lane_dst[j], k_src + j * LANE_ROWS * k_row_bytes, stream_policy);
+                    cp_async16_to_hint(v_dst + lane_dst[j], v_src + j * LANE_ROWS * v_row_bytes, stream_policy);
+                }
+                return;
+            }
+            unsigned char* k_s = ring + slot * Cfg::kStageBytes;
+            unsigned char* v_s = k_s + ROWS * ROW_BYTES;
+#pragma unroll
+            for (int i = lane; i < ROWS * PIECES; i += 32) {
+                // Each eight lanes must fill one aligned line. Rows of whole groups of eight pieces
+                // do that with lanes on consecutive pieces (the XOR permutes within a line), which
+                // keeps a lane's source offset the same in every row; other rows take consecutive
+                // slots instead.
+                constexpr bool kLanesOnPieces = Cfg::kPieceGroup == 8;
+                const int r = i / PIECES, at = i - r * PIECES;
+                const int col = kLanesOnPieces ? at : piece_slot<KV, D, GMAX>(r, at);
+                const bool valid = first + r < it.end;
+                const long long pos = valid ? first + r : it.start;  // never past the end
+                const int dst = kLanesOnPieces ? piece_offset<KV, D, GMAX>(r, col) : i * 16;
+                if constexpr (V::kPaged) {
+                    const PagedRow at = paged_row(p, pages, static_cast<int>(pos));
+                    cp_async16(k_s + dst, it.k + at.page * k_page_bytes + at.row * k_row_bytes + col * 16,
+                               valid);
+                    cp_async16(v_s + dst, it.v + at.page * v_page_bytes + at.row * v_row_bytes + col * 16,
+                               valid);
+                } else {
+                    cp_async16(k_s + dst, it.k + pos * k_row_bytes + col * 16, valid);
+                    cp_async16(v_s + dst, it.v + pos * v_row_bytes + col * 16, valid);
+                }
+            }
+        };
 
         uint32_t q_frag[KSTEPS][4];
         int row_end[2], row_begin[2] = {0, 0};
@@ -721,7 +715,7 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         };
         auto issue_next = [&]() {
             if (load_index < items) {
-                load_tile(p, copy, issued % STAGES, load_item, load_n, warp, lane);
+                load_tile(issued % STAGES, load_item, load_n);
                 ++issued;
                 ++load_n;
                 settle_load();
@@ -739,13 +733,13 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
         const int k_lane_row = (lane >> 4) * 8 + (lane & 7), k_lane_piece = (lane >> 3) & 1;
         const int v_lane_row = ((lane >> 3) & 1) * 8 + (lane & 7), v_lane_piece = lane >> 4;
 
-        int consumed = 0;  // tiles this warp has taken out of its ring
         // Lockstep: every warp of the cluster arrives at tiles lockstep_tiles, 2 ·
         // lockstep_tiles, ... below the tiles all of them stream (their items differ only in the
         // block of query heads), and waits on the previous arrival before the next one.
         constexpr int kNoSync = 0x7fffffff;
         int next_sync = kNoSync, last_sync = 0;
         bool arrived = false;
+        int consumed = 0;  // tiles this warp has taken out of its ring
         if constexpr (V::kLockstep) {
             const int tiles = first.end > first.start ? (first.end - first.start + ROWS - 1) / ROWS : 0;
             last_sync = tiles / kWarps - 1;
@@ -778,14 +772,16 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
                 __syncwarp();  // this tile visible to the whole warp; the previous slot free for reuse
                 issue_next();
 
-                const unsigned char* stage = copy.ring + (consumed % STAGES) * Cfg::kStageBytes;
+                // The stage's offset before the tile's first position: nvcc's code for the loop
+                // follows this order.
+                const int stage_offset = (consumed % STAGES) * Cfg::kStageBytes;
+                const int first = it.start + (warp + n * kWarps) * ROWS;
                 float s[RB][2][4];
-                scores(s, stage, q_frag, k_lane_row, k_lane_piece, lane);
-                mask_scores(p, it, s, it.start + (warp + n * kWarps) * ROWS, quad_col, row_end,
-                            row_begin);
+                scores(s, ring, stage_offset, q_frag, k_lane_row, k_lane_piece, lane);
+                mask_scores(p, it, s, first, quad_col, row_end, row_begin);
                 uint32_t p_frag[RB][4];
                 softmax_update(s, run_max, run_sum, acc, p_frag);
-                accumulate(acc, p_frag, stage, v_lane_row, v_lane_piece, lane);
+                accumulate(acc, p_frag, ring, stage_offset, v_lane_row, v_lane_piece, lane);
             }
 
             if (V::kLockstep && arrived) cluster_wait();  // no arrival left pending at exit

@@ -233,32 +233,16 @@ pub fn check_model(
     tolerance: f32,
     what: &str,
 ) -> Result<()> {
-    let alone = requests
-        .iter()
-        .map(|r| decode_alone(model, &r.prompt, r.new_tokens))
-        .collect::<Result<Vec<_>>>()?;
-    let mut cache = model.paged_cache(256, page_size)?;
-    let batched = decode_batched(model, &mut cache, requests, true)?;
-    for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
-        check_same(
-            a,
-            b,
-            tolerance,
-            &format!("{what}, page {page_size}, request {i}"),
-        )?;
-    }
+    let (alone, batched) = alone_and_together(model, requests, page_size, what, |model, cache| {
+        decode_batched(model, cache, requests, true)
+    })?;
+    check_all_same(&alone, &batched, tolerance, page_size, what)?;
     check_same(
         &alone[0],
         &batched[requests.len()],
         tolerance,
         &format!("{what}, page {page_size}, the fork of request 0"),
-    )?;
-    ensure!(
-        cache.free_pages() == 256,
-        "{what}: every sequence left, yet {} of 256 pages are free",
-        cache.free_pages()
-    );
-    Ok(())
+    )
 }
 
 /// Decodes `requests` alone, then all together with chunked prefill in steps that mix prompt
@@ -271,13 +255,46 @@ pub fn check_mixed_model(
     tolerance: f32,
     what: &str,
 ) -> Result<()> {
+    let (alone, mixed) = alone_and_together(model, requests, page_size, what, |model, cache| {
+        decode_mixed(model, cache, requests)
+    })?;
+    check_all_same(&alone, &mixed, tolerance, page_size, what)
+}
+
+type Decoded = Vec<Vec<(u32, Tensor)>>;
+
+/// Each request decoded alone, and all of them through `together` over a pool of 256 pages of
+/// `page_size`, which must be free again afterwards.
+fn alone_and_together(
+    model: &mut Llama,
+    requests: &[Request],
+    page_size: usize,
+    what: &str,
+    together: impl FnOnce(&Llama, &mut PagedKvCache) -> Result<Decoded>,
+) -> Result<(Decoded, Decoded)> {
     let alone = requests
         .iter()
         .map(|r| decode_alone(model, &r.prompt, r.new_tokens))
         .collect::<Result<Vec<_>>>()?;
     let mut cache = model.paged_cache(256, page_size)?;
-    let mixed = decode_mixed(model, &mut cache, requests)?;
-    for (i, (a, b)) in alone.iter().zip(&mixed).enumerate() {
+    let together = together(model, &mut cache)?;
+    ensure!(
+        cache.free_pages() == 256,
+        "{what}: every sequence left, yet {} of 256 pages are free",
+        cache.free_pages()
+    );
+    Ok((alone, together))
+}
+
+/// Request i decoded alone against request i decoded together, for every request.
+fn check_all_same(
+    alone: &Decoded,
+    together: &Decoded,
+    tolerance: f32,
+    page_size: usize,
+    what: &str,
+) -> Result<()> {
+    for (i, (a, b)) in alone.iter().zip(together).enumerate() {
         check_same(
             a,
             b,
@@ -285,10 +302,5 @@ pub fn check_mixed_model(
             &format!("{what}, page {page_size}, request {i}"),
         )?;
     }
-    ensure!(
-        cache.free_pages() == 256,
-        "{what}: every sequence left, yet {} of 256 pages are free",
-        cache.free_pages()
-    );
     Ok(())
 }

@@ -1,8 +1,8 @@
 // Causal prefill attention for sm_90a (Hopper): the form of kernels/prefill.cuh built on
 // warpgroup matrix products, after FlashAttention-3. Same parameter block (PrefillParams), work
-// items, masking, GQA row packing, varlen, paging and split/combine conventions, for f16/bf16
-// K/V (contiguous, strided or paged) at head dims 64, 128 and 256. fp8 K/V, sliding windows and
-// soft-capping stay on kernels/prefill.cuh.
+// items, masking, GQA row packing, varlen, paging and split/combine conventions, for K/V in q's
+// dtype or fp8 e4m3 (contiguous, strided or paged) at head dims 64, 128 and 256. Sliding windows
+// and soft-capping stay on kernels/prefill.cuh.
 //
 // A CTA is three warpgroups over one work item of kRows = 128 query rows:
 //   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
@@ -11,6 +11,9 @@
 //     tensor cores' proxy and arrive on the tile's `full` mbarrier; they wait on its `empty`
 //     mbarrier before reusing a slot. K and V have barriers of their own, so a K slot frees as
 //     soon as its scores are done. Plain addresses: the host builds no tensor maps.
+//     fp8 K/V: the copies land in a staging ring of their own, and each thread widens the
+//     pieces it copied to q's dtype into the swizzled ring (produce_fp8_tiles below), so the
+//     products run in q's dtype on the values the cache holds exactly.
 //   two consumers (warps 4-7, 8-11), 64 rows each: S = Q · Kᵀ by wgmma with Q and K from
 //     shared memory; masking and the online softmax in registers; O += P · V by wgmma with P
 //     from registers and V from shared memory. The products of tile j's scores and of tile
@@ -20,8 +23,9 @@
 // `setmaxnreg` moves registers from the producer to the consumers.
 //
 // Shared memory: Q (kRows × D), then kStages × (K tile, V tile), each 128-byte swizzled in
-// 64-dim column blocks (kernels/wgmma.cuh), then the mbarriers; the host passes kSmemBytes
-// (which includes 1 KB of slack for aligning the tiles to 1024 bytes).
+// 64-dim column blocks (kernels/wgmma.cuh), then the mbarriers, then (fp8) kStagingStages ×
+// (K tile, V tile) of plain fp8 rows; the host passes kSmemBytes (which includes 1 KB of slack
+// for aligning the tiles to 1024 bytes).
 //
 // Build: the sm_90a target (-gencode=arch=compute_90a,code=sm_90a); the wrapper kernel carries
 // __launch_bounds__(kThreads, 1), which setmaxnreg needs. The host guarantees what
@@ -35,28 +39,38 @@
 
 // The tile shape of a head dim: K/V positions per tile and ring stages (as many as shared memory
 // holds: the ring hides the copies' latency). At D = 256 the output accumulator alone takes 128
-// registers a thread, so score tiles are 64 keys wide.
-template <int D> struct PrefillSm90Shape {
+// registers a thread, so score tiles are 64 keys wide. fp8 K/V give some of the ring's shared
+// memory to the staging ring, which hides the global loads; widening takes only shared memory.
+template <int D, bool FP8> struct PrefillSm90Shape {
     static constexpr int kKeys = D <= 128 ? 128 : 64;
-    static constexpr int kStages = D <= 64 ? 6 : D <= 128 ? 3 : 2;
+    static constexpr int kStages = D <= 64 ? (FP8 ? 4 : 6) : D <= 128 ? (FP8 ? 2 : 3) : 2;
+    static constexpr int kStagingStages = !FP8 ? 0 : D <= 64 ? 3 : D <= 128 ? 2 : 1;
     static constexpr bool kPingPong = true;  // consumers take turns issuing products
 };
 
-template <class Traits, class Shape = PrefillSm90Shape<Traits::kHeadDim>> struct PrefillSm90Tiling {
+template <class Traits> using PrefillSm90ShapeOf = PrefillSm90Shape<Traits::kHeadDim, sizeof(typename Traits::KV) == 1>;
+
+template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct PrefillSm90Tiling {
     static constexpr int kHeadDim = Traits::kHeadDim;
+    static constexpr bool kFp8 = sizeof(typename Traits::KV) == 1;
     static constexpr int kConsumers = 2;  // warpgroups of 64 rows
     static constexpr int kThreads = (kConsumers + 1) * 128;
     static constexpr int kRows = kConsumers * 64;
     static constexpr int kKeys = Shape::kKeys;
     static constexpr int kStages = Shape::kStages;
     static constexpr bool kPingPong = Shape::kPingPong;
-    static constexpr int kProducerRegisters = 40;
+    static constexpr int kProducerRegisters = kFp8 ? 48 : 40;  // fp8: widening needs a few
     static constexpr int kConsumerRegisters = 232;
     static constexpr int kQueryBytes = kRows * kHeadDim * 2;
     static constexpr int kKvTileBytes = kKeys * kHeadDim * 2;
     static constexpr int kStageBytes = 2 * kKvTileBytes;  // K then V
     static constexpr int kBarrierBytes = 4 * kStages * 8;  // K full, V full, K empty, V empty
-    static constexpr int kSmemBytes = 1024 + kQueryBytes + kStages * kStageBytes + kBarrierBytes;
+    static constexpr int kStagingStages = Shape::kStagingStages;
+    static constexpr int kStagedTileBytes = kKeys * kHeadDim;  // fp8: one byte a value
+    static constexpr int kStagingStageBytes = 2 * kStagedTileBytes;  // K then V
+    static constexpr int kSmemBytes =
+        1024 + kQueryBytes + kStages * kStageBytes + kBarrierBytes + kStagingStages * kStagingStageBytes;
+    static_assert(!kFp8 || kStagingStages > 0, "fp8 K/V are staged");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims 64, 128, 256");
     static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
 };
@@ -70,13 +84,138 @@ __device__ __forceinline__ float quad_sum4(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <class Traits, class Shape = PrefillSm90Shape<Traits::kHeadDim>>
+// Widening e4m3 to T by bit placement: a byte's exponent and mantissa bits go into T's fields
+// (its sign onto T's sign), then one multiply by 2^(T's exponent bias - 7) gives the value, e4m3's
+// subnormals included. Exact: T holds every e4m3 value. The e4m3 NaN pattern widens to a finite
+// value; the crate's quantizer saturates and never stores it.
+template <typename T> struct E4m3Widening;
+template <> struct E4m3Widening<__nv_bfloat16> {  // 8 exponent bits: magnitude bits move 4 down
+    static constexpr int kShift = 4;
+    static constexpr uint32_t kMagnitude = 0x07F007F0u;
+    static __device__ __forceinline__ uint32_t scale(uint32_t x) {
+        uint32_t out;
+        asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out) : "r"(x), "r"(0x7B807B80u));  // 2^120
+        return out;
+    }
+};
+template <> struct E4m3Widening<__half> {  // 5 exponent bits: magnitude bits move 1 down
+    static constexpr int kShift = 1;
+    static constexpr uint32_t kMagnitude = 0x3F803F80u;
+    static __device__ __forceinline__ uint32_t scale(uint32_t x) {
+        uint32_t out;
+        asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(x), "r"(0x5C005C00u));  // 2^8
+        return out;
+    }
+};
+
+// Four e4m3 values (the bytes of `x`, lowest first) as two pairs of T.
+template <typename T> __device__ __forceinline__ void widen_e4m3x4(uint32_t x, uint32_t& lo, uint32_t& hi) {
+    using W = E4m3Widening<T>;
+    // Bytes 0, 1 (then 2, 3) of x in the high bytes of two 16-bit lanes.
+    auto place = [](uint32_t pair) { return (pair & 0x80008000u) | ((pair >> W::kShift) & W::kMagnitude); };
+    lo = W::scale(place(__byte_perm(x, 0u, 0x1404)));
+    hi = W::scale(place(__byte_perm(x, 0u, 0x3424)));
+}
+
+__device__ __forceinline__ uint4 ld_shared_u4(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void st_shared_u4(unsigned addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
+}
+
+// Where the producer of an fp8 call works: the item's batch row, kv head, length and tiles (tile
+// it streams keys from (hi - 1 - it)·kKeys), and the shared-memory rings and barriers.
+struct Fp8ProducerItem {
+    int b, kv_head, len, hi, count;
+    unsigned ring, staging, k_full, v_full, k_empty, v_empty;
+};
+
+// The producer of an fp8 call. Warps 0-1 handle K tiles and warps 2-3 V tiles; thread t of a half
+// copies 16-value piece t % PIECES of rows t / PIECES + j·ROW_STEP of each tile into the staging
+// ring (kStagingStages tiles ahead), and once they land widens those same pieces to T, two
+// 16-byte pieces of the swizzled tile each, then announces the tile on its `full` barrier. A
+// thread reads only what it copied, so the staging ring needs no barrier of its own.
+template <class Cfg, typename T, bool PAGED>
+__device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const Fp8ProducerItem& w) {
+    constexpr int D = Cfg::kHeadDim;
+    constexpr int N = Cfg::kKeys;
+    constexpr int STAGES = Cfg::kStages;
+    constexpr int STAGING = Cfg::kStagingStages;
+    constexpr int PIECES = D / 16;
+    constexpr int ROW_STEP = 64 / PIECES;
+    const bool is_v = threadIdx.x >= 64;
+    const int t = threadIdx.x % 64;
+    const int piece = t % PIECES, row = t / PIECES;
+    const long long row_bytes = is_v ? p.v_seq_stride : p.k_seq_stride;  // one byte a value
+    const long long outer_bytes = is_v ? p.v_batch_stride : p.k_batch_stride;  // batch or page
+    const char* const base = static_cast<const char*>(is_v ? p.v : p.k) + (PAGED ? 0 : w.b * outer_bytes) +
+                             w.kv_head * (is_v ? p.v_head_stride : p.k_head_stride) + piece * 16;
+    const uint32_t* const pages = PAGED ? p.block_table + (long long)w.b * p.max_pages : nullptr;
+    const unsigned full = is_v ? w.v_full : w.k_full, empty = is_v ? w.v_empty : w.k_empty;
+    const unsigned tiles = w.ring + (is_v ? Cfg::kKvTileBytes : 0);
+    const unsigned staged = w.staging + (is_v ? Cfg::kStagedTileBytes : 0) + row * D + piece * 16;
+
+    auto copy = [&](int it) {
+        const int k0 = (w.hi - 1 - it) * N;
+        const unsigned dst = staged + (it % STAGING) * Cfg::kStagingStageBytes;
+        const char* src = base + (k0 + row) * row_bytes;
+        const int rows_left = w.len - k0 - row;
+#pragma unroll 4
+        for (int j = 0; j < N / ROW_STEP; ++j) {
+            const bool valid = j * ROW_STEP < rows_left;
+            const char* from = valid ? src : base;
+            if constexpr (PAGED) {
+                if (valid) {
+                    const PagedRow at = prefill_paged_row(p, pages, k0 + row + j * ROW_STEP);
+                    from = base + at.page * outer_bytes + at.row * row_bytes;
+                }
+            }
+            cp_async16_zfill(dst + j * ROW_STEP * D, from, valid);
+            src += ROW_STEP * row_bytes;
+        }
+    };
+    // One commit group per tile, empty past the last, so that waiting for all but the newest
+    // STAGING - 1 groups always means "tile it has landed".
+#pragma unroll
+    for (int it = 0; it < STAGING; ++it) {
+        if (it < w.count) copy(it);
+        cp_async_commit();
+    }
+    for (int it = 0; it < w.count; ++it) {
+        const int slot = it % STAGES;
+        cp_async_wait<STAGING - 1>();
+        if (it >= STAGES) mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
+        const unsigned from = staged + (it % STAGING) * Cfg::kStagingStageBytes;
+        const unsigned to = tiles + slot * Cfg::kStageBytes;
+#pragma unroll 2
+        for (int j = 0; j < N / ROW_STEP; ++j) {
+            const uint4 x = ld_shared_u4(from + j * ROW_STEP * D);
+            uint32_t w0, w1, w2, w3, w4, w5, w6, w7;
+            widen_e4m3x4<T>(x.x, w0, w1);
+            widen_e4m3x4<T>(x.y, w2, w3);
+            widen_e4m3x4<T>(x.z, w4, w5);
+            widen_e4m3x4<T>(x.w, w6, w7);
+            const int r = row + j * ROW_STEP;
+            st_shared_u4(to + swizzled_offset(N, r, 2 * piece), w0, w1, w2, w3);
+            st_shared_u4(to + swizzled_offset(N, r, 2 * piece + 1), w4, w5, w6, w7);
+        }
+        fence_proxy_async();
+        mbarrier_arrive(full + 8 * slot);
+        if (it + STAGING < w.count) copy(it + STAGING);
+        cp_async_commit();
+    }
+}
+
+template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>>
 __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     using Cfg = PrefillSm90Tiling<Traits, Shape>;
     using T = typename Traits::T;
     using MMA = Wgmma<T>;
     using Out = TensorCore<T>;
-    static_assert(sizeof(typename Traits::KV) == sizeof(T), "16-bit K/V only (fp8: prefill.cuh)");
+    static_assert(sizeof(typename Traits::KV) == sizeof(T) || Cfg::kFp8, "K/V in q's dtype or fp8");
     static_assert(!Traits::kWindowed, "windowed and soft-capped forms: prefill.cuh");
     constexpr bool PAGED = Traits::kPaged;
     constexpr int D = Cfg::kHeadDim;
@@ -98,6 +237,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     const unsigned v_full = k_full + 8 * STAGES;
     const unsigned k_empty = v_full + 8 * STAGES;
     const unsigned v_empty = k_empty + 8 * STAGES;
+    const unsigned staging_smem = v_empty + 8 * STAGES;  // fp8 only; 8-byte barriers keep it 16-byte aligned
 
     // The work item, as in prefill.cuh.
     const int group = p.q_heads / p.kv_heads;
@@ -137,6 +277,11 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         // that a K tile is announced, and its slot reused, independently of the V tile beside it.
         // Thread t of a half copies piece t % PIECES of rows t / PIECES + j·ROW_STEP.
         registers_release<Cfg::kProducerRegisters>();
+        if constexpr (Cfg::kFp8) {
+            produce_fp8_tiles<Cfg, T, PAGED>(
+                p, {b, kv_head, len, hi, count, ring_smem, staging_smem, k_full, v_full, k_empty, v_empty});
+            return;
+        }
         constexpr int ROW_STEP = 64 / PIECES;
         const bool is_v = threadIdx.x >= 64;
         const int t = threadIdx.x % 64;

@@ -38,8 +38,8 @@ const MIN_TILES_PER_SPLIT: usize = 4;
 pub(crate) enum PrefillFamily {
     /// kernels/prefill.cuh: every sm_80+ target, fp8 K/V, windows and soft-capping, every head dim.
     MmaSync,
-    /// kernels/prefill_sm90.cuh: sm_90a builds on a compute capability 9.0 device; f16/bf16
-    /// K/V, head dims 64, 128 and 256, no window or soft-capping.
+    /// kernels/prefill_sm90.cuh: sm_90a builds on a compute capability 9.0 device; K/V in q's
+    /// dtype or fp8, head dims 64, 128 and 256, no window or soft-capping.
     Wgmma,
 }
 
@@ -77,7 +77,8 @@ pub(crate) fn route(
                 bail!(
                     "split-kv attention: the sm_90a prefill form does not take this call: it needs \
                      a build for compute capability 90 on a 9.0 device, f16/bf16 q with K/V of \
-                     the same dtype, head dim 64, 128 or 256, and no window or soft-capping"
+                     the same dtype or f8e4m3, head dim 64, 128 or 256, and no window or \
+                     soft-capping"
                 )
             }
             PrefillFamily::Wgmma
@@ -151,7 +152,8 @@ fn wgmma_covers(
     dtype: DType,
     kv_dtype: DType,
 ) -> Result<bool> {
-    if kv_dtype != dtype || call.window_left.is_some() || call.softcap.is_some() {
+    let kv_takes = kv_dtype == dtype || kv_dtype == DType::F8E4M3;
+    if !kv_takes || call.window_left.is_some() || call.softcap.is_some() {
         return Ok(false);
     }
     if KernelForm::PrefillSm90

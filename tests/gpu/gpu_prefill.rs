@@ -93,8 +93,8 @@ fn routes(dev: &Device) -> Result<Vec<PrefillRoute>> {
     })
 }
 
-/// Whether `route` takes the shape: the sm_90a form runs 16-bit K/V at head dims 64/128/256
-/// without a window or soft-capping.
+/// Whether `route` takes the shape: the sm_90a form runs head dims 64/128/256 without a window
+/// or soft-capping.
 fn takes(route: PrefillRoute, shape: &Shape) -> bool {
     route != PrefillRoute::Wgmma
         || ([64, 128, 256].contains(&shape.d) && shape.window.is_none() && shape.softcap.is_none())
@@ -295,39 +295,90 @@ fn gpu_prefill_strided_kv() -> Result<()> {
     Ok(())
 }
 
-/// fp8 K/V with scales against the reference on the dequantized K/V (the mma.sync form).
+/// fp8 K/V with scales against the reference on the dequantized K/V, on both prefill forms.
 #[test]
 fn gpu_prefill_fp8() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let (k_scale, v_scale) = (0.02f32, 0.5f32);
-    for d in HEAD_DIMS {
-        for dtype in DTYPES {
-            let shape = Shape {
-                dtype,
-                ..Shape::new(2, 70, (8, 2, d), 800)
-            };
-            let (q, k, v) = shape.qkv(&dev)?;
-            let k8 = quantize_e4m3(&(k.to_dtype(DType::F32)? * 3.0)?, k_scale)?;
-            let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
-            let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
-            let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
-            let want = reference_masked(&q, &k_real, &v_real, shape.scale(), None, None, None)?;
-            for n in [None, Some(1), Some(4)] {
-                let (out, lse) = poisoned(shape.scale())
-                    .with_kv_scales(k_scale, v_scale)
-                    .with_num_splits(n)
-                    .forward_with_lse(&q, &k8, &v8)?;
-                let form = last_attention_form().unwrap_or("none");
-                let what = format!("fp8 {shape:?} ({form}) splits {n:?}");
-                assert!(
-                    form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
-                    "{what}"
-                );
-                assert_close(&what, &out, &want.out, dtype)?;
-                assert_lse_close(&what, &lse, &want.lse, dtype)?;
+    for route in routes(&dev)? {
+        force_prefill_route(route);
+        for d in HEAD_DIMS {
+            for dtype in DTYPES {
+                let shape = Shape {
+                    dtype,
+                    ..Shape::new(2, 70, (8, 2, d), 800)
+                };
+                if !takes(route, &shape) {
+                    continue;
+                }
+                let (q, k, v) = shape.qkv(&dev)?;
+                let k8 = quantize_e4m3(&(k.to_dtype(DType::F32)? * 3.0)?, k_scale)?;
+                let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
+                let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
+                let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
+                let want = reference_masked(&q, &k_real, &v_real, shape.scale(), None, None, None)?;
+                for n in [None, Some(1), Some(4)] {
+                    let (out, lse) = poisoned(shape.scale())
+                        .with_kv_scales(k_scale, v_scale)
+                        .with_num_splits(n)
+                        .forward_with_lse(&q, &k8, &v8)?;
+                    let form = last_attention_form().unwrap_or("none");
+                    let what = format!("fp8 {shape:?} ({form}, {route:?}) splits {n:?}");
+                    assert!(
+                        form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
+                        "{what}"
+                    );
+                    assert_close(&what, &out, &want.out, dtype)?;
+                    assert_lse_close(&what, &lse, &want.lse, dtype)?;
+                }
             }
         }
     }
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
+/// The value of the e4m3 bit pattern `bits` (not NaN).
+fn e4m3_value(bits: u8) -> f32 {
+    let sign = if bits & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exponent, mantissa) = (((bits >> 3) & 0xF) as i32, (bits & 7) as f32);
+    match exponent {
+        0 => sign * mantissa / 8.0 * 2f32.powi(-6),
+        e => sign * (1.0 + mantissa / 8.0) * 2f32.powi(e - 7),
+    }
+}
+
+/// Every finite e4m3 value, subnormals included, widens exactly: with one key, the row that
+/// sees it gets its value row, bit for bit, on both prefill forms.
+#[test]
+fn gpu_prefill_fp8_widens_exactly() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let mut values: Vec<f32> = (0..=255u8)
+        .filter(|bits| bits & 0x7F != 0x7F)
+        .map(e4m3_value)
+        .collect();
+    values.resize(256, 0.0);
+    let (t, h, d) = (32, 2, 128);
+    for route in routes(&dev)? {
+        force_prefill_route(route);
+        for dtype in DTYPES {
+            let v_real = Tensor::from_vec(values.clone(), (1, 1, h, d), &dev)?;
+            let v8 = quantize_e4m3(&v_real, 1.0)?;
+            let k8 = quantize_e4m3(&Tensor::ones((1, 1, h, d), DType::F32, &dev)?, 1.0)?;
+            let q = Tensor::randn(0f32, 1.0, (1, t, h, d), &dev)?.to_dtype(dtype)?;
+            let out = poisoned(0.1).forward(&q, &k8, &v8)?;
+            let form = last_attention_form().unwrap_or("none");
+            let last = host_f64(&out.narrow(1, t - 1, 1)?.flatten_all()?)?;
+            let want = host_f64(&v_real.to_dtype(dtype)?.flatten_all()?)?;
+            for (i, (got, want)) in last.iter().zip(&want).enumerate() {
+                assert!(
+                    got == want,
+                    "{dtype:?} ({form}, {route:?}): value {i} widened to {got}, want {want}"
+                );
+            }
+        }
+    }
+    force_prefill_route(PrefillRoute::Auto);
     Ok(())
 }
 
@@ -364,7 +415,7 @@ fn gpu_prefill_paged() -> Result<()> {
                 window,
                 softcap: window.map(|_| 20.0),
             };
-            let sm90_takes = kv_dtype == dtype && window.is_none() && d != 96;
+            let sm90_takes = window.is_none() && d != 96;
             if route == PrefillRoute::Wgmma && !sm90_takes {
                 continue;
             }

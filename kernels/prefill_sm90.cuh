@@ -59,8 +59,12 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
     static constexpr int kKeys = Shape::kKeys;
     static constexpr int kStages = Shape::kStages;
     static constexpr bool kPingPong = Shape::kPingPong;
+    // setmaxnreg moves registers within what the CTA got at launch (the most a thread of kThreads
+    // can have, a multiple of 8), so the consumers can claim only what the producer released.
+    static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
     static constexpr int kProducerRegisters = kFp8 ? 48 : 40;  // fp8: widening needs a few
-    static constexpr int kConsumerRegisters = 232;
+    static constexpr int kConsumerRegisters =
+        (kLaunchRegisters * kThreads - kProducerRegisters * 128) / (128 * kConsumers) / 8 * 8;
     static constexpr int kQueryBytes = kRows * kHeadDim * 2;
     static constexpr int kKvTileBytes = kKeys * kHeadDim * 2;
     static constexpr int kStageBytes = 2 * kKvTileBytes;  // K then V
@@ -72,7 +76,8 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
         1024 + kQueryBytes + kStages * kStageBytes + kBarrierBytes + kStagingStages * kStagingStageBytes;
     static_assert(!kFp8 || kStagingStages > 0, "fp8 K/V are staged");
     static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head dims 64, 128, 256");
-    static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= 65536, "register file");
+    static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= kLaunchRegisters * kThreads,
+                  "the consumers claim no more than the producer releases");
 };
 
 __device__ __forceinline__ float quad_max4(float x) {

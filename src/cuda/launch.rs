@@ -102,11 +102,7 @@ pub(crate) fn resident_ctas(
     if let Some(slots) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
         return Ok(slots);
     }
-    func.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem_bytes as i32,
-    )
-    .w()?;
+    allow_dynamic_smem(dev, func, smem_bytes)?;
     let sms = dev
         .cuda_stream()
         .context()
@@ -252,11 +248,7 @@ pub(crate) fn resident_clusters(
     if let Some(n) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
         return Ok(n);
     }
-    func.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        cfg.shared_mem_bytes as i32,
-    )
-    .w()?;
+    allow_dynamic_smem(dev, func, cfg.shared_mem_bytes as usize)?;
     if cluster.size() > 8 {
         func.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
@@ -280,6 +272,29 @@ pub(crate) fn resident_clusters(
         c.insert(key, n);
     }
     Ok(n)
+}
+
+/// Raises `func`'s dynamic shared-memory limit to the most the device allows it, checking that
+/// `bytes` fits. A module is loaded once per context, so every device handle and thread of the
+/// process shares the function: the limit is always set to the same value, never to one call's
+/// need, so that no call can lower it under another's launch.
+pub(crate) fn allow_dynamic_smem(
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    bytes: usize,
+) -> Result<()> {
+    let most = max_dynamic_smem(dev, func)?;
+    if bytes > most {
+        candle_core::bail!(
+            "split-kv attention: a kernel needs {bytes} bytes of dynamic shared memory, this GPU \
+             allows it {most}"
+        )
+    }
+    func.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        most as i32,
+    )
+    .w()
 }
 
 /// The most dynamic shared memory one CTA may opt into on `dev`.

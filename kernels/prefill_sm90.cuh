@@ -131,6 +131,29 @@ __device__ __forceinline__ void st_shared_u4(unsigned addr, uint32_t a, uint32_t
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d));
 }
 
+// Copies one producer thread's 16-byte pieces of a K or V tile into shared memory: the rows
+// first_key + j·ROW_STEP for j < ROWS (zero-filled from `rows_left` on; paged rows through the
+// block table) from `base` (the thread's piece of row 0), piece j to shared address dst_of(j).
+template <int ROWS, int ROW_STEP, bool PAGED, class DstOf>
+__device__ __forceinline__ void copy_tile_pieces(const PrefillParams& p, const uint32_t* pages, const char* base,
+                                                 long long row_bytes, long long outer_bytes, int first_key,
+                                                 int rows_left, DstOf dst_of) {
+    const char* src = base + first_key * row_bytes;
+#pragma unroll 4
+    for (int j = 0; j < ROWS; ++j) {
+        const bool valid = j * ROW_STEP < rows_left;
+        const char* from = valid ? src : base;
+        if constexpr (PAGED) {
+            if (valid) {
+                const PagedRow at = prefill_paged_row(p, pages, first_key + j * ROW_STEP);
+                from = base + at.page * outer_bytes + at.row * row_bytes;
+            }
+        }
+        cp_async16_zfill(dst_of(j), from, valid);
+        src += ROW_STEP * row_bytes;
+    }
+}
+
 // Where the producer of an fp8 call works: the item's batch row, kv head, length and tiles (tile
 // it streams keys from (hi - 1 - it)·kKeys), and the shared-memory rings and barriers.
 struct Fp8ProducerItem {
@@ -166,21 +189,9 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
     auto copy = [&](int it) {
         const int k0 = (w.hi - 1 - it) * N;
         const unsigned dst = staged + (it % STAGING) * Cfg::kStagingStageBytes;
-        const char* src = base + (k0 + row) * row_bytes;
-        const int rows_left = w.len - k0 - row;
-#pragma unroll 4
-        for (int j = 0; j < N / ROW_STEP; ++j) {
-            const bool valid = j * ROW_STEP < rows_left;
-            const char* from = valid ? src : base;
-            if constexpr (PAGED) {
-                if (valid) {
-                    const PagedRow at = prefill_paged_row(p, pages, k0 + row + j * ROW_STEP);
-                    from = base + at.page * outer_bytes + at.row * row_bytes;
-                }
-            }
-            cp_async16_zfill(dst + j * ROW_STEP * D, from, valid);
-            src += ROW_STEP * row_bytes;
-        }
+        copy_tile_pieces<N / ROW_STEP, ROW_STEP, PAGED>(p, pages, base, row_bytes, outer_bytes, k0 + row,
+                                                        w.len - k0 - row,
+                                                        [&](int j) { return dst + j * ROW_STEP * D; });
     };
     // One commit group per tile, empty past the last, so that waiting for all but the newest
     // STAGING - 1 groups always means "tile it has landed".
@@ -316,9 +327,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                 mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
             }
             const int k0 = (hi - 1 - it) * N;
-            const char* src = base + (k0 + row) * row_bytes;
-            unsigned dst = tiles_smem + slot * Cfg::kStageBytes + swizzled_offset(N, row, piece);
-            const int rows_left = len - k0 - row;
+            const unsigned dst = tiles_smem + slot * Cfg::kStageBytes + swizzled_offset(N, row, piece);
             // Rows row + j·ROW_STEP, 8 rows per swizzle period: the piece's slot in the row
             // alternates with j when ROW_STEP < 8 (a few registers, not one address per row).
             constexpr int PERIOD = ROW_STEP >= 8 ? 1 : 8 / ROW_STEP;
@@ -326,19 +335,9 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
 #pragma unroll
             for (int j = 0; j < PERIOD; ++j)
                 swz[j] = swizzled_offset(N, row + j * ROW_STEP, piece) - swizzled_offset(N, row, piece) - j * ROW_STEP * 128;
-#pragma unroll 4
-            for (int j = 0; j < N / ROW_STEP; ++j) {
-                const bool valid = j * ROW_STEP < rows_left;
-                const char* from = valid ? src : base;
-                if constexpr (PAGED) {
-                    if (valid) {
-                        const PagedRow at = prefill_paged_row(p, pages, k0 + row + j * ROW_STEP);
-                        from = base + at.page * outer_bytes + at.row * row_bytes;
-                    }
-                }
-                cp_async16_zfill(dst + j * ROW_STEP * 128 + swz[j % PERIOD], from, valid);
-                src += ROW_STEP * row_bytes;
-            }
+            copy_tile_pieces<N / ROW_STEP, ROW_STEP, PAGED>(
+                p, pages, base, row_bytes, outer_bytes, k0 + row, len - k0 - row,
+                [&](int j) { return dst + j * ROW_STEP * 128 + swz[j % PERIOD]; });
             cp_async_commit();
             if (pending) {
                 cp_async_wait<1>();

@@ -112,9 +112,11 @@ fn check(what: &str, got: &Tensor, case: &Inputs, p: Prologue, e: Epilogue) -> R
                     (p, t + 2.0 * u * p.abs())
                 }
                 Epilogue::Residual => {
+                    // The product may be rounded before the residual is added, and the sum may
+                    // cancel: that rounding is relative to the product, not to the sum.
                     let (p, t) = product(o);
                     let want = p + res[row * n + o];
-                    (want, t + 2.0 * u * want.abs())
+                    (want, t + u * p.abs() + 2.0 * u * want.abs())
                 }
                 Epilogue::SwiGlu => {
                     let ((g, tg), (up, tu)) = (product(2 * o), product(2 * o + 1));

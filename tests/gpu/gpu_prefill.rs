@@ -396,6 +396,8 @@ fn gpu_prefill_paged() -> Result<()> {
             (96, DType::F16, DType::F16, 7, Some(50)),
             (128, DType::BF16, DType::F8E4M3, 32, None),
             (128, DType::BF16, DType::F8E4M3, 32, Some(100)),
+            (256, DType::F16, DType::F8E4M3, 16, None),
+            (64, DType::BF16, DType::F8E4M3, 8, None),
         ] {
             let case = PagedCase {
                 t: 60,

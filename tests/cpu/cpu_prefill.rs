@@ -364,3 +364,42 @@ fn the_last_prefill_row_is_a_decode_step() -> Result<()> {
     );
     Ok(())
 }
+
+/// Cases in [`prefill_seeded_random_shapes`].
+const FUZZ_CASES: usize = 200;
+
+/// Shapes drawn from a fixed seed (batch, tokens, past, heads, head dim, dtype, per-sequence
+/// lengths, window, softcap), none of them chosen by hand: the corners the cases above do not
+/// name.
+#[test]
+fn prefill_seeded_random_shapes() -> Result<()> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut draw = |n: usize| -> usize {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    for _ in 0..FUZZ_CASES {
+        let b = 1 + draw(3);
+        let t = 1 + draw(160);
+        let kv_len = draw(400);
+        let h_kv = 1 + draw(3);
+        let group = [1, 2, 3, 4, 5, 8][draw(6)];
+        let d = SUPPORTED_HEAD_DIMS[draw(SUPPORTED_HEAD_DIMS.len())];
+        let dtype = [DType::F32, DType::F16, DType::BF16][draw(3)];
+        let lens = (draw(2) == 0).then(|| (0..b).map(|_| draw(kv_len + 1) as u32).collect());
+        let window = (draw(3) == 0).then(|| 1 + draw(kv_len + 1));
+        let softcap = (draw(3) == 0).then(|| 5.0 + draw(40) as f32);
+        let case = Case {
+            b,
+            dtype,
+            lens,
+            window,
+            softcap,
+            ..Case::new(t, kv_len, (h_kv * group, h_kv, d))
+        };
+        check(&case, &[None, Some(1), Some(1 + draw(6))])?;
+    }
+    Ok(())
+}

@@ -475,3 +475,84 @@ fn gpu_prefill_route_rule() -> Result<()> {
     assert!(err.contains("f16 or bf16"), "{err}");
     Ok(())
 }
+
+/// Cases in [`gpu_prefill_seeded_random_shapes`].
+const FUZZ_CASES: usize = 120;
+
+/// Shapes drawn from a seed (batch, tokens, 1 to 1,500 keys, heads, head dim, dtype, per-sequence
+/// lengths, window, softcap, fp8 K/V), none of them chosen by hand, on every prefill form that
+/// takes each. `SPLITKV_TEST_SEED` draws another set.
+#[test]
+fn gpu_prefill_seeded_random_shapes() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    let seed = std::env::var("SPLITKV_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or(0x5eed_cafe_f00d_d00d);
+    let mut state = seed | 1;
+    let mut draw = |n: usize| -> usize {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let (k_scale, v_scale) = (0.05f32, 0.25f32);
+    for i in 0..FUZZ_CASES {
+        let b = 1 + draw(3);
+        let t = MAX_QUERY_TOKENS + 1 + draw(300);
+        let l = 1 + draw(1500);
+        let h_kv = 1 + draw(3);
+        let group = [1, 2, 4, 5, 8, 16][draw(6)];
+        let d = HEAD_DIMS[draw(HEAD_DIMS.len())];
+        let dtype = DTYPES[draw(2)];
+        let lens = (draw(2) == 0).then(|| (0..b).map(|_| draw(l + 1) as u32).collect::<Vec<_>>());
+        let window = (draw(4) == 0).then(|| 1 + draw(l + 1));
+        let softcap = (draw(4) == 0).then(|| 5.0 + draw(40) as f32);
+        let fp8 = draw(4) == 0;
+        let shape = Shape {
+            dtype,
+            lens,
+            window,
+            softcap,
+            ..Shape::new(b, t, (h_kv * group, h_kv, d), l)
+        };
+        let splits = [None, Some(1), Some(1 + draw(8))];
+        if !fp8 {
+            check(&dev, &shape, &routes, &splits)?;
+            continue;
+        }
+        let (q, k, v) = shape.qkv(&dev)?;
+        let k8 = quantize_e4m3(&k.to_dtype(DType::F32)?, k_scale)?;
+        let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
+        let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
+        let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
+        let want = reference_masked(
+            &q,
+            &k_real,
+            &v_real,
+            shape.scale(),
+            shape.lens.as_deref(),
+            shape.window,
+            shape.softcap,
+        )?;
+        for &route in routes.iter().filter(|&&r| takes(r, &shape)) {
+            force_prefill_route(route);
+            for n in splits {
+                let (out, lse) = shape
+                    .op(shape.scale(), &dev)?
+                    .with_kv_scales(k_scale, v_scale)
+                    .with_num_splits(n)
+                    .forward_with_lse(&q, &k8, &v8)?;
+                let form = last_attention_form().unwrap_or("none");
+                let what = format!("case {i}, fp8 {shape:?} ({form}, {route:?}) splits {n:?}");
+                assert!(form.starts_with("prefill_"), "{what}");
+                assert_close(&what, &out, &want.out, dtype)?;
+                assert_lse_close(&what, &lse, &want.lse, dtype)?;
+            }
+        }
+        force_prefill_route(PrefillRoute::Auto);
+    }
+    println!("gpu_prefill_seeded_random_shapes: {FUZZ_CASES} cases from seed {seed:#x} passed");
+    Ok(())
+}

@@ -62,7 +62,7 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
     // setmaxnreg moves registers within what the CTA got at launch (the most a thread of kThreads
     // can have, a multiple of 8), so the consumers can claim only what the producer released.
     static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
-    static constexpr int kProducerRegisters = kFp8 ? 48 : 40;  // fp8: widening needs a few
+    static constexpr int kProducerRegisters = kFp8 ? 56 : 40;  // fp8: a batch of pieces in flight
     static constexpr int kConsumerRegisters =
         (kLaunchRegisters * kThreads - kProducerRegisters * 128) / (128 * kConsumers) / 8 * 8;
     static constexpr int kQueryBytes = kRows * kHeadDim * 2;
@@ -206,17 +206,26 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
         if (it >= STAGES) mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
         const unsigned from = staged + (it % STAGING) * Cfg::kStagingStageBytes;
         const unsigned to = tiles + slot * Cfg::kStageBytes;
-#pragma unroll 2
-        for (int j = 0; j < N / ROW_STEP; ++j) {
-            const uint4 x = ld_shared_u4(from + j * ROW_STEP * D);
-            uint32_t w0, w1, w2, w3, w4, w5, w6, w7;
-            widen_e4m3x4<T>(x.x, w0, w1);
-            widen_e4m3x4<T>(x.y, w2, w3);
-            widen_e4m3x4<T>(x.z, w4, w5);
-            widen_e4m3x4<T>(x.w, w6, w7);
-            const int r = row + j * ROW_STEP;
-            st_shared_u4(to + swizzled_offset(N, r, 2 * piece), w0, w1, w2, w3);
-            st_shared_u4(to + swizzled_offset(N, r, 2 * piece + 1), w4, w5, w6, w7);
+        // A batch of pieces is loaded before any is widened: one producer warp per scheduler
+        // has no other warp to hide a load's latency behind, so its loads must overlap.
+        constexpr int BATCH = 4;
+        static_assert((N / ROW_STEP) % BATCH == 0, "a tile's pieces come in whole batches");
+#pragma unroll 1
+        for (int j0 = 0; j0 < N / ROW_STEP; j0 += BATCH) {
+            uint4 x[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) x[u] = ld_shared_u4(from + (j0 + u) * ROW_STEP * D);
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                uint32_t w0, w1, w2, w3, w4, w5, w6, w7;
+                widen_e4m3x4<T>(x[u].x, w0, w1);
+                widen_e4m3x4<T>(x[u].y, w2, w3);
+                widen_e4m3x4<T>(x[u].z, w4, w5);
+                widen_e4m3x4<T>(x[u].w, w6, w7);
+                const int r = row + (j0 + u) * ROW_STEP;
+                st_shared_u4(to + swizzled_offset(N, r, 2 * piece), w0, w1, w2, w3);
+                st_shared_u4(to + swizzled_offset(N, r, 2 * piece + 1), w4, w5, w6, w7);
+            }
         }
         fence_proxy_async();
         mbarrier_arrive(full + 8 * slot);

@@ -22,8 +22,9 @@ enum Referent {
     Woman,
     /// `it`, `its`.
     Thing,
-    /// `they`, `their`, and demonstratives used alone (`This is...`, `Those who...`): a group or
-    /// a whole statement, never one name.
+    /// `they`, `their`, demonstratives used alone (`This is...`, `Those who...`) and `such`
+    /// before a noun (`Such claims were...`): a group, a kind or a whole statement, never one
+    /// name.
     Other,
 }
 
@@ -68,8 +69,9 @@ const OPENING_PHRASE_WORDS: &[&str] = &[
     "unlike", "until", "when", "while", "with", "within", "without",
 ];
 
-/// The longest opening phrase looked past, in words.
-const MAX_OPENING_PHRASE_WORDS: usize = 8;
+/// The longest opening phrase looked past, in words (`In a tidal estuary with a complicated and
+/// poorly surveyed bed, such claims...`).
+const MAX_OPENING_PHRASE_WORDS: usize = 12;
 
 /// Words after which a demonstrative stands alone as the subject (`This is`, `Those who`),
 /// rather than before its noun (`This figure`).
@@ -204,6 +206,8 @@ fn pronoun_subject(sentence: &str) -> Option<Pronoun> {
         "its" => (Referent::Thing, true),
         "they" => (Referent::Other, false),
         "their" => (Referent::Other, true),
+        // "Such claims were likely": the claims are in the sentence before.
+        "such" => (Referent::Other, false),
         "this" | "that" | "these" | "those"
             if AFTER_DEMONSTRATIVE_PRONOUNS.contains(&next.as_str()) =>
         {
@@ -367,6 +371,12 @@ mod tests {
                 "The first was a near miss in January 2007.",
                 "Two events changed the debate.",
             ),
+            (
+                "In a tidal estuary with a complicated and poorly surveyed bed, such claims were \
+                 always likely.",
+                "Brackwater claimed for unforeseen ground conditions.",
+            ),
+            ("Such delays were common.", "Mr Fairweather gave evidence."),
             // The sentence before is a heading, or opens with no name.
             ("He chaired the panel.", "## 3. Professor Kowalczyk"),
             ("He chaired the panel.", "In November 1987 the sea came in."),
@@ -389,6 +399,7 @@ mod tests {
             "In that time we read more than four hundred documents.",
             "Hers was the loudest voice.",
             "The first study was completed in 1994.",
+            "The panel heard such claims often.",
             "\"The barrier held,\" she said.",
         ] {
             assert!(!opens_with_pronoun(sentence), "{sentence}");

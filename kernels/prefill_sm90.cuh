@@ -161,9 +161,9 @@ struct Fp8ProducerItem {
     unsigned ring, staging, k_full, v_full, k_empty, v_empty;
 };
 
-// The producer of an fp8 call. Warps 0-1 handle K tiles and warps 2-3 V tiles; thread t of a half
-// copies 16-value piece t % PIECES of rows t / PIECES + j·ROW_STEP of each tile into the staging
-// ring (kStagingStages tiles ahead), and once they land widens those same pieces to T, two
+// The producer of an fp8 call. Warps 0-1 handle K tiles and warps 2-3 V tiles; each thread of a
+// half copies one 16-value piece of rows row + j·ROW_STEP of each tile into the staging ring
+// (kStagingStages tiles ahead), and once they land widens those same pieces to T, two
 // 16-byte pieces of the swizzled tile each, then announces the tile on its `full` barrier. A
 // thread reads only what it copied, so the staging ring needs no barrier of its own.
 template <class Cfg, typename T, bool PAGED>
@@ -176,7 +176,16 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
     constexpr int ROW_STEP = 64 / PIECES;
     const bool is_v = threadIdx.x >= 64;
     const int t = threadIdx.x % 64;
-    const int piece = t % PIECES, row = t / PIECES;
+    // Each eight threads (one phase of a 16-byte shared-memory access) take the four pieces of
+    // one 64-dim column block in two neighbouring rows: their widened pieces then fall in eight
+    // different 16-byte bank groups of the swizzled tile.
+    constexpr int BLOCKS = D / 64;
+    const int group = t / 8, lane = t % 8;
+    const int piece = (group % BLOCKS) * 4 + lane % 4, row = 2 * (group / BLOCKS) + lane / 4;
+    // The staging ring holds an odd row's 128-byte lines with their halves swapped, so that the
+    // two rows' pieces of a column block do not share banks there either. A thread reads back
+    // only what it copied, so the order is its own.
+    const int staged_piece = (piece * 16) ^ (D >= 128 && row % 2 ? 64 : 0);
     const long long row_bytes = is_v ? p.v_seq_stride : p.k_seq_stride;  // one byte a value
     const long long outer_bytes = is_v ? p.v_batch_stride : p.k_batch_stride;  // batch or page
     const char* const base = static_cast<const char*>(is_v ? p.v : p.k) + (PAGED ? 0 : w.b * outer_bytes) +
@@ -184,7 +193,7 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
     const uint32_t* const pages = PAGED ? p.block_table + (long long)w.b * p.max_pages : nullptr;
     const unsigned full = is_v ? w.v_full : w.k_full, empty = is_v ? w.v_empty : w.k_empty;
     const unsigned tiles = w.ring + (is_v ? Cfg::kKvTileBytes : 0);
-    const unsigned staged = w.staging + (is_v ? Cfg::kStagedTileBytes : 0) + row * D + piece * 16;
+    const unsigned staged = w.staging + (is_v ? Cfg::kStagedTileBytes : 0) + row * D + staged_piece;
 
     auto copy = [&](int it) {
         const int k0 = (w.hi - 1 - it) * N;

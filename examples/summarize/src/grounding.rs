@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use super::attribution::Attributions;
 use super::mentions::{mentions, Mention};
 use super::pronoun_subjects::{opens_with_pronoun, standalone_sentences};
-use super::sentences::{opens_with_capital, sentences};
+use super::sentences::{is_definition, opens_with_capital, sentences};
 
 /// How a statement ends; a source's headings and fragments stand in for no sentence.
 const STATEMENT_ENDS: [char; 6] = ['.', '!', '?', '"', '\u{201d}', ')'];
@@ -199,6 +199,7 @@ impl GroundedStream<'_> {
                 false
             } else if grounding.attributions.supports(sentence)
                 && opens_with_capital(sentence)
+                && !is_definition(sentence)
                 && (self.previous_kept || !opens_with_pronoun(sentence))
             {
                 checked.text.push_str(sentence);

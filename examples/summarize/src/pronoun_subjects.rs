@@ -83,7 +83,8 @@ const AFTER_DEMONSTRATIVE_PRONOUNS: &[&str] = &[
 /// Words that stand for a noun of the sentence before after `the`, when a verb follows them (`The
 /// first was...`, `The latter is...`).
 const ELLIPTIC_AFTER_THE: &[&str] = &[
-    "first", "former", "last", "latter", "other", "same", "second", "third",
+    "fifth", "first", "former", "fourth", "last", "latter", "other", "same", "second", "sixth",
+    "third",
 ];
 
 /// Words after which `it` may be empty: `It is worth...`, `It seems that...`.
@@ -370,6 +371,10 @@ mod tests {
             (
                 "The first was a near miss in January 2007.",
                 "Two events changed the debate.",
+            ),
+            (
+                "The fourth is a mismatch between the compiler and the driver.",
+                "The third is a missing module.",
             ),
             (
                 "In a tidal estuary with a complicated and poorly surveyed bed, such claims were \

@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use super::mentions::{mentions, Mention};
 use super::pronoun_subjects::standalone_sentences;
-use super::sentences::opens_with_capital;
+use super::sentences::{is_definition, opens_with_capital};
 use super::topic_words::words_of;
 
 /// Fragments shorter than this many words (list markers, captions) state no fact worth selecting,
@@ -107,6 +107,7 @@ pub(crate) fn select_salient_sentences(
         .filter(|candidate| {
             candidate.text.ends_with(STATEMENT_ENDS)
                 && opens_with_capital(&candidate.text)
+                && !is_definition(&candidate.text)
                 && candidate.text.split_whitespace().count() >= MIN_SENTENCE_WORDS
         })
         .collect();

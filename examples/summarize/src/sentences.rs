@@ -76,6 +76,18 @@ pub(crate) fn opens_with_capital(sentence: &str) -> bool {
         .is_some_and(char::is_uppercase)
 }
 
+/// Whether `sentence` is a glossary entry rather than a statement: a term of at most four words,
+/// a colon, and a definition that opens with a lowercase article (`Online softmax: a way to
+/// compute...`). It names no subject and states nothing on its own.
+pub(crate) fn is_definition(sentence: &str) -> bool {
+    let Some((term, definition)) = sentence.trim().split_once(':') else {
+        return false;
+    };
+    let article = definition.split_whitespace().next().unwrap_or_default();
+    (1..=4).contains(&term.split_whitespace().count())
+        && ["a", "an", "the", "one"].contains(&article)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +138,21 @@ mod tests {
         ));
         assert!(!opens_with_capital("g. the barrier."));
         assert!(!opens_with_capital(""));
+    }
+
+    #[test]
+    fn a_glossary_entry_is_a_definition() {
+        assert!(is_definition(
+            "Online softmax: a way to compute softmax in one pass over tiles."
+        ));
+        assert!(is_definition("KV cache: the stored keys and values."));
+        assert!(!is_definition(
+            "The feed-forward part follows: another normalization and a gate."
+        ));
+        assert!(!is_definition(
+            "Three habits make a large difference: the first is coalescing."
+        ));
+        assert!(!is_definition("The barrier opened in 2019."));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod batched;
 pub mod own_process;
 pub mod paged;
+pub mod seeded;
 pub mod tiny_families;
 pub mod tiny_llama;
 

@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::{quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS, SUPPORTED_HEAD_DIMS};
 
 use crate::common::paged::{check_paged, Layout, PagedCase};
+use crate::common::seeded::SeededDraws;
 use crate::common::{
     assert_close, assert_lse_close, head_major_view, host_f64, max_abs_diff, poisoned,
     reference_masked,
@@ -373,13 +374,8 @@ const FUZZ_CASES: usize = 200;
 /// name.
 #[test]
 fn prefill_seeded_random_shapes() -> Result<()> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut draw = |n: usize| -> usize {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
+    let mut draws = SeededDraws::new(0x9e37_79b9_7f4a_7c15);
+    let mut draw = |n: usize| draws.below(n);
     for _ in 0..FUZZ_CASES {
         let b = 1 + draw(3);
         let t = 1 + draw(160);

@@ -13,6 +13,7 @@ use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY
 
 use crate::common;
 use crate::common::paged::{check_paged, Layout, PagedCase};
+use crate::common::seeded::SeededDraws;
 use crate::common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference_masked};
 
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
@@ -295,46 +296,74 @@ fn gpu_prefill_strided_kv() -> Result<()> {
     Ok(())
 }
 
+/// Runs `shape` with fp8 K/V (K drawn `k_gain` times wider than V, quantized with `k_scale` and
+/// `v_scale`) on each route that takes it and each split count, against the reference on the
+/// dequantized K/V (output and LSE).
+fn check_fp8(
+    dev: &Device,
+    shape: &Shape,
+    routes: &[PrefillRoute],
+    splits: &[Option<usize>],
+    k_gain: f64,
+    (k_scale, v_scale): (f32, f32),
+) -> Result<()> {
+    let (q, k, v) = shape.qkv(dev)?;
+    let k8 = quantize_e4m3(&(k.to_dtype(DType::F32)? * k_gain)?, k_scale)?;
+    let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
+    let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
+    let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
+    let want = reference_masked(
+        &q,
+        &k_real,
+        &v_real,
+        shape.scale(),
+        shape.lens.as_deref(),
+        shape.window,
+        shape.softcap,
+    )?;
+    for &route in routes.iter().filter(|&&r| takes(r, shape)) {
+        force_prefill_route(route);
+        for &n in splits {
+            let (out, lse) = shape
+                .op(shape.scale(), dev)?
+                .with_kv_scales(k_scale, v_scale)
+                .with_num_splits(n)
+                .forward_with_lse(&q, &k8, &v8)?;
+            let form = last_attention_form().unwrap_or("none");
+            let what = format!("fp8 {shape:?} ({form}, {route:?}) splits {n:?}");
+            assert!(
+                form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
+                "{what}"
+            );
+            assert_close(&what, &out, &want.out, shape.dtype)?;
+            assert_lse_close(&what, &lse, &want.lse, shape.dtype)?;
+        }
+    }
+    force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
 /// fp8 K/V with scales against the reference on the dequantized K/V, on both prefill forms.
 #[test]
 fn gpu_prefill_fp8() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
-    let (k_scale, v_scale) = (0.02f32, 0.5f32);
-    for route in routes(&dev)? {
-        force_prefill_route(route);
-        for d in HEAD_DIMS {
-            for dtype in DTYPES {
-                let shape = Shape {
-                    dtype,
-                    ..Shape::new(2, 70, (8, 2, d), 800)
-                };
-                if !takes(route, &shape) {
-                    continue;
-                }
-                let (q, k, v) = shape.qkv(&dev)?;
-                let k8 = quantize_e4m3(&(k.to_dtype(DType::F32)? * 3.0)?, k_scale)?;
-                let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
-                let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
-                let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
-                let want = reference_masked(&q, &k_real, &v_real, shape.scale(), None, None, None)?;
-                for n in [None, Some(1), Some(4)] {
-                    let (out, lse) = poisoned(shape.scale())
-                        .with_kv_scales(k_scale, v_scale)
-                        .with_num_splits(n)
-                        .forward_with_lse(&q, &k8, &v8)?;
-                    let form = last_attention_form().unwrap_or("none");
-                    let what = format!("fp8 {shape:?} ({form}, {route:?}) splits {n:?}");
-                    assert!(
-                        form.starts_with("prefill_") && form.contains("kv_f8e4m3"),
-                        "{what}"
-                    );
-                    assert_close(&what, &out, &want.out, dtype)?;
-                    assert_lse_close(&what, &lse, &want.lse, dtype)?;
-                }
-            }
+    let routes = routes(&dev)?;
+    for d in HEAD_DIMS {
+        for dtype in DTYPES {
+            let shape = Shape {
+                dtype,
+                ..Shape::new(2, 70, (8, 2, d), 800)
+            };
+            check_fp8(
+                &dev,
+                &shape,
+                &routes,
+                &[None, Some(1), Some(4)],
+                3.0,
+                (0.02, 0.5),
+            )?;
         }
     }
-    force_prefill_route(PrefillRoute::Auto);
     Ok(())
 }
 
@@ -486,19 +515,9 @@ const FUZZ_CASES: usize = 120;
 fn gpu_prefill_seeded_random_shapes() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let routes = routes(&dev)?;
-    let seed = std::env::var("SPLITKV_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .unwrap_or(0x5eed_cafe_f00d_d00d);
-    let mut state = seed | 1;
-    let mut draw = |n: usize| -> usize {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    };
-    let (k_scale, v_scale) = (0.05f32, 0.25f32);
-    for i in 0..FUZZ_CASES {
+    let (mut draws, seed) = SeededDraws::from_env_or(0x5eed_cafe_f00d_d00d);
+    let mut draw = |n: usize| draws.below(n);
+    for _ in 0..FUZZ_CASES {
         let b = 1 + draw(3);
         let t = MAX_QUERY_TOKENS + 1 + draw(300);
         let l = 1 + draw(1500);
@@ -518,40 +537,11 @@ fn gpu_prefill_seeded_random_shapes() -> Result<()> {
             ..Shape::new(b, t, (h_kv * group, h_kv, d), l)
         };
         let splits = [None, Some(1), Some(1 + draw(8))];
-        if !fp8 {
+        if fp8 {
+            check_fp8(&dev, &shape, &routes, &splits, 1.0, (0.05, 0.25))?;
+        } else {
             check(&dev, &shape, &routes, &splits)?;
-            continue;
         }
-        let (q, k, v) = shape.qkv(&dev)?;
-        let k8 = quantize_e4m3(&k.to_dtype(DType::F32)?, k_scale)?;
-        let v8 = quantize_e4m3(&v.to_dtype(DType::F32)?, v_scale)?;
-        let k_real = dequantize_e4m3(&k8, k_scale, DType::F32)?;
-        let v_real = dequantize_e4m3(&v8, v_scale, DType::F32)?;
-        let want = reference_masked(
-            &q,
-            &k_real,
-            &v_real,
-            shape.scale(),
-            shape.lens.as_deref(),
-            shape.window,
-            shape.softcap,
-        )?;
-        for &route in routes.iter().filter(|&&r| takes(r, &shape)) {
-            force_prefill_route(route);
-            for n in splits {
-                let (out, lse) = shape
-                    .op(shape.scale(), &dev)?
-                    .with_kv_scales(k_scale, v_scale)
-                    .with_num_splits(n)
-                    .forward_with_lse(&q, &k8, &v8)?;
-                let form = last_attention_form().unwrap_or("none");
-                let what = format!("case {i}, fp8 {shape:?} ({form}, {route:?}) splits {n:?}");
-                assert!(form.starts_with("prefill_"), "{what}");
-                assert_close(&what, &out, &want.out, dtype)?;
-                assert_lse_close(&what, &lse, &want.lse, dtype)?;
-            }
-        }
-        force_prefill_route(PrefillRoute::Auto);
     }
     println!("gpu_prefill_seeded_random_shapes: {FUZZ_CASES} cases from seed {seed:#x} passed");
     Ok(())

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use candle_splitkv::models::llama::{WeightForm, WeightFormPolicy};
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 use summarize::Reduce;
 
 pub use crate::kv_dtype::KvDtypeArg;
@@ -27,15 +27,26 @@ impl DtypeArg {
 
 /// Summarize a text document with a local LLM, on CPU or CUDA.
 ///
-/// A long document is boiled down to its sentences that state the most names, numbers and dates;
-/// the model rewrites them a chunk of a sentence or two at a time, and the rewritten sentences
-/// with the most facts make the summary. Sentences that state a number or a name the document
-/// does not contain are dropped, and those that pin a name or number to the wrong thing give way
-/// to the document's own sentence. With no --model, the default model (SmolLM2-135M-Instruct, Q4_1
-/// GGUF, 98 MB) is downloaded on first use.
+/// A long document is boiled down to its most salient sentences: the most central (LexRank),
+/// stating names, numbers and dates no other pick states, drawn from every section and first
+/// from the document's own overview. The model compresses them a sentence or two at a time.
+///
+/// The rewrite contract: every sentence of a summary is a sentence of the document, or a
+/// compression of exactly one: its content words stand in that sentence in the same order (a
+/// change of tense or number aside), none is added, each clause is kept or dropped whole, and
+/// the numbers of each of its clauses come from one clause of the source. Every sentence the
+/// model writes is checked; one that breaks the contract gives way to the document's own
+/// sentence.
+///
+/// A document the model does not read (the default model reads English) is summarized from its
+/// own whole sentences, picked the same way. With no --model, the default model
+/// (SmolLM2-135M-Instruct, Q4_1 GGUF, 98 MB) is downloaded on first use.
 #[derive(Debug, Parser)]
-#[command(name = "summarize")]
+#[command(name = "summarize", subcommand_negates_reqs = true)]
 pub struct Args {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// The documents to summarize (UTF-8 text or Markdown): files, folders (their .md and .txt
     /// files), or `-` to read one from standard input. Several are summarized at once.
     #[arg(required = true, value_name = "FILE")]
@@ -153,11 +164,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ReduceArg::CarryFacts)]
     pub reduce: ReduceArg,
 
-    /// Keep the answers as written: by default a sentence that states a number or a name the
-    /// document does not contain is dropped, and one that attributes a name or number
-    /// differently from the document is replaced by the document's sentence about it.
+    /// Summarize from whole sentences of the document, with no generation. This is the default
+    /// for a document not in English when the model is the default one, which reads English
+    /// only; another model (--model, --model-id) is taken to read the document's language.
     #[arg(long)]
-    pub keep_ungrounded: bool,
+    pub extractive: bool,
 
     /// A JSON list of facts planted in the document (`{"facts": [{"fact": ..., "forms": [...]}]}`):
     /// the statistics then say how many of them the summary recalls, and which numbers and
@@ -173,6 +184,23 @@ pub struct Args {
     /// No progress bar, no notices and no statistics line on stderr; errors are still reported.
     #[arg(long)]
     pub quiet: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Score the summarizer on documents with planted facts, against four extractive baselines
+    /// at the same word count (lead, TF-IDF centroid, TextRank, LexRank), and print one table.
+    /// Each document NAME.md or NAME.txt needs its facts in NAME.facts.json beside it; documents
+    /// are grouped by their folder. The model options before `eval` apply.
+    Eval {
+        /// Documents, or folders of them (and of folders one level down).
+        #[arg(required = true, value_name = "PATH")]
+        paths: Vec<PathBuf>,
+
+        /// Also write every summary and score to this JSON file.
+        #[arg(long, value_name = "FILE")]
+        raw: Option<PathBuf>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

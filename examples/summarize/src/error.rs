@@ -31,6 +31,9 @@ pub enum SummarizeError {
     /// Every sentence of the final answer stated a number or a name the document does not
     /// contain, and grounding dropped them all.
     NothingGrounded,
+    /// A summary of whole sentences was asked for, and the document has no sentence that could
+    /// stand in one (a statement of six words or more).
+    NothingToSelect,
     /// The model's chat template does not parse or render.
     ChatTemplate {
         /// The template engine's message.
@@ -64,6 +67,10 @@ impl fmt::Display for SummarizeError {
             SummarizeError::NothingGrounded => f.write_str(
                 "every sentence of the model's summary stated a number or a name the document \
                  does not contain",
+            ),
+            SummarizeError::NothingToSelect => f.write_str(
+                "the document has no sentence to summarize it by: a summary of its own sentences \
+                 needs statements of six words or more that end with a full stop",
             ),
             SummarizeError::ChatTemplate { reason } => {
                 write!(f, "the model's chat template cannot be rendered: {reason}")

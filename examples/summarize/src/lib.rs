@@ -38,13 +38,16 @@
 //! The package's `summarize` binary is a complete command-line summarizer built on them, running
 //! the models of `candle-splitkv`.
 
-mod attribution;
+mod baselines;
 mod budgets;
+mod centrality;
 mod chat_template;
 mod chunking;
+mod contract;
 mod document;
 mod error;
 mod grounding;
+mod language;
 mod map_reduce;
 mod mentions;
 mod prompts;
@@ -55,13 +58,17 @@ mod sentences;
 mod stray_quotes;
 #[cfg(test)]
 mod test_tokenizer;
-mod topic_words;
 mod whole_sentences;
 
+pub use baselines::{candidate_sentences, Baseline, LEXRANK_THRESHOLD};
+pub use centrality::{cosine, lexrank, terms, textrank, tfidf_vectors};
 pub use chat_template::ChatTemplate;
+pub use contract::{is_cjk, Breach, RewriteContract};
 pub use document::{decode_text, NotADocument};
 pub use error::SummarizeError;
 pub use grounding::{GroundedStream, GroundedText, Grounding};
+pub use language::reads_as_english;
 pub use map_reduce::{MapReduce, Reduce, Round};
 pub use mentions::Mention;
+pub use sentences::{sentences, words_in};
 pub use whole_sentences::WholeSentences;

@@ -14,6 +14,7 @@ mod bad_input;
 mod cli;
 #[path = "../../common/default_model.rs"]
 mod default_model;
+mod eval;
 mod generation;
 mod hub;
 mod input;
@@ -35,7 +36,7 @@ use clap::Parser;
 use summarize::ChatTemplate;
 
 use bad_input::{bad_input, BadInput};
-use cli::{Args, AttentionArg, DeviceArg};
+use cli::{Args, AttentionArg, Command, DeviceArg};
 use generation::{Generator, SamplingSettings};
 use planted_facts::PlantedFacts;
 use progress::{DocumentBars, Progress};
@@ -151,13 +152,25 @@ fn run(args: &Args) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         select_tokens: (args.select_tokens > 0).then_some(args.select_tokens),
         reduce: args.reduce.reduce(),
-        ground: !args.keep_ungrounded,
+        extractive: args.extractive,
+        english_only: args.model.is_none() && args.model_id.is_none(),
         batch: args.batch,
     };
     if documents.len() > 1 && !generator.can_batch() {
         bad_input!(
             "--kv-dtype fp8 works on one document at a time: several documents decode in \
              batches over a paged cache, which holds f32, f16 or bf16"
+        );
+    }
+    if let Some(Command::Eval { paths, raw }) = &args.command {
+        progress.clear();
+        return eval::run(
+            &mut generator,
+            &chat,
+            plan,
+            paths,
+            raw.as_deref(),
+            args.quiet,
         );
     }
     let summarizer = Summarizer::new(&mut generator, chat, plan);

@@ -3,17 +3,16 @@
 //! [`MapReduce`] plans the generations and reduces their answers; the caller runs the model. It
 //! hands out [`Round`]s of prompts and takes back the answers, until the final summary.
 
-use std::collections::HashSet;
 use std::fmt;
 
 use tokenizers::Tokenizer;
 
 use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
+use super::contract::RewriteContract;
 use super::prompts::{encode_prompt, prompt_overhead, Task};
 use super::quotation_frames::unframe_quotations;
-use super::salience::select_salient_sentences;
-use super::topic_words::topic_words;
+use super::salience::{rank_salient_sentences, select_salient_sentences, Picked};
 use super::whole_sentences::whole_sentences;
 use super::{ChatTemplate, GroundedText, Grounding, SummarizeError};
 
@@ -23,10 +22,11 @@ pub enum Reduce {
     /// The model summarizes the summaries, in as many rounds as they need to fit one prompt.
     #[default]
     Summarize,
-    /// The sentences of the summaries that state the most names, numbers and dates (then, if
-    /// room is left, the most of the document's topic words), up to the final summary's limit,
-    /// in document order ([`Round::Done`]): no further generation, so no fact is summarized
-    /// away. Where no sentence qualifies, the model summarizes them.
+    /// The most salient selected sentences, each in its rewritten form where the model
+    /// compressed it within the rewrite contract, up to the final summary's limit, in document
+    /// order ([`Round::Done`]): no further generation, so no fact is summarized away. Where the
+    /// document was not selected from, the most salient sentences of the summaries; where none
+    /// qualifies, the model summarizes them.
     CarryFacts,
 }
 
@@ -98,8 +98,15 @@ pub struct MapReduce<'t> {
     merge_rounds: usize,
     dropped_sentences: usize,
     replaced_sentences: usize,
-    /// The topic words of the document being summarized.
-    topic: HashSet<String>,
+    /// The selected sentences, most salient first, while their rewrites are awaited.
+    selected: Vec<Picked>,
+    /// The selected sentence each chunk holds, by index into `selected`.
+    chunk_sentences: Vec<Vec<usize>>,
+    /// Whether the summary is made of whole sentences of the document, with no generation.
+    extractive: bool,
+    /// The most salient sentences of the document, up to the final summary's limit: the summary
+    /// where checking leaves nothing of the model's.
+    fallback: String,
 }
 
 impl<'t> MapReduce<'t> {
@@ -133,15 +140,17 @@ impl<'t> MapReduce<'t> {
             merge_rounds: 0,
             dropped_sentences: 0,
             replaced_sentences: 0,
-            topic: HashSet::new(),
+            selected: Vec::new(),
+            chunk_sentences: Vec::new(),
+            extractive: false,
+            fallback: String::new(),
         })
     }
 
-    /// Summarizes a document of more than `tokens` tokens from its sentences that state the most
-    /// names, numbers and dates (then, if room is left, the most of its topic words), up to
-    /// `tokens` of its tokens, in document order, one paragraph each, instead of from all of it.
-    /// A document without such sentences is summarized whole. `None` (the default) summarizes
-    /// every document whole.
+    /// Summarizes a document of more than `tokens` tokens from its most salient sentences (see
+    /// [`rank_salient_sentences`]), up to `tokens` of its tokens, in document order, one
+    /// paragraph each, instead of from all of it. A document without such sentences is
+    /// summarized whole. `None` (the default) summarizes every document whole.
     pub fn with_selection(mut self, tokens: Option<usize>) -> Self {
         self.selection_budget = tokens;
         self
@@ -154,8 +163,17 @@ impl<'t> MapReduce<'t> {
         self
     }
 
-    /// Whether to drop each sentence of an answer that states a number or a name the document
-    /// does not contain (see [`Grounding`]); off by default.
+    /// Whether the summary is the document's most salient whole sentences, up to the final
+    /// summary's limit, with no generation ([`Round::Done`] from [`start`](Self::start)): for a
+    /// document in a language the model does not read. Off by default.
+    pub fn with_extractive(mut self, extractive: bool) -> Self {
+        self.extractive = extractive;
+        self
+    }
+
+    /// Whether to check each sentence of an answer against the document (see [`Grounding`]):
+    /// one that states a number or a name the document does not contain is dropped, one that
+    /// breaks the rewrite contract gives way to the document's sentence; off by default.
     pub fn with_grounding(mut self, ground: bool) -> Self {
         self.ground = ground;
         self
@@ -173,21 +191,36 @@ impl<'t> MapReduce<'t> {
         self.dropped_sentences = 0;
         self.replaced_sentences = 0;
         self.grounding = self.ground.then(|| Grounding::new(document));
-        // The document's, not the summaries': their own recurring words include the model's
-        // habits ("the text states").
-        self.topic = topic_words(document);
+        self.selected.clear();
+        self.chunk_sentences.clear();
+        self.fallback =
+            select_salient_sentences(document, &starts, self.budgets.final_summary).join(" ");
+        if self.extractive {
+            if self.fallback.is_empty() {
+                return Err(SummarizeError::NothingToSelect);
+            }
+            return Ok(Round::Done {
+                summary: self.fallback.clone(),
+            });
+        }
         if starts.len() <= self.budgets.whole {
             return self.final_round(Task::Document(document.trim()));
         }
         let selection: String;
         let (text, starts) = match self.selection_budget {
             Some(budget) if starts.len() > budget => {
-                let sentences = select_salient_sentences(document, &starts, budget, &self.topic);
-                if sentences.is_empty() {
+                self.selected = rank_salient_sentences(document, &starts, budget);
+                if self.selected.is_empty() {
                     (document, starts)
                 } else {
+                    let mut in_order: Vec<&Picked> = self.selected.iter().collect();
+                    in_order.sort_unstable_by_key(|picked| picked.position);
                     // One paragraph each, so that chunks end between sentences.
-                    selection = sentences.join("\n\n");
+                    selection = in_order
+                        .iter()
+                        .map(|picked| picked.text.as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n\n");
                     let selection_starts = token_starts(self.tokenizer, &selection)?;
                     self.selected_tokens = Some(selection_starts.len());
                     (selection.as_str(), selection_starts)
@@ -204,6 +237,15 @@ impl<'t> MapReduce<'t> {
             Some(grounding) => chunks.iter().map(|c| grounding.narrowed_to(c)).collect(),
             None => Vec::new(),
         };
+        // Which selected sentences each chunk holds: their rewrites are looked for in its answer.
+        self.chunk_sentences = chunks
+            .iter()
+            .map(|chunk| {
+                (0..self.selected.len())
+                    .filter(|&i| chunk.contains(self.selected[i].text.as_str()))
+                    .collect()
+            })
+            .collect();
         let prompts = self.prompts(chunks.into_iter().map(Task::Part))?;
         Ok(Round::Parts {
             prompts,
@@ -221,7 +263,9 @@ impl<'t> MapReduce<'t> {
         // The summaries of the chunks are checked against their chunks, merged summaries against
         // the document.
         let chunk_groundings = std::mem::take(&mut self.chunk_groundings);
+        let chunk_sentences = std::mem::take(&mut self.chunk_sentences);
         let mut summaries = Vec::with_capacity(answers.len());
+        let mut rewrites: Vec<Option<String>> = vec![None; self.selected.len()];
         for (i, answer) in answers.iter().enumerate() {
             let grounding = match chunk_groundings.get(i) {
                 Some(chunk) if chunk_groundings.len() == answers.len() => Some(chunk),
@@ -232,9 +276,17 @@ impl<'t> MapReduce<'t> {
             self.dropped_sentences += checked.dropped;
             self.replaced_sentences += checked.replaced;
             let summary = checked.text;
+            if let Some(held) = chunk_sentences.get(i) {
+                self.find_rewrites(held, &summary, &mut rewrites)?;
+            }
             if !summary.is_empty() {
                 summaries.push(summary);
             }
+        }
+        if self.reduce == Reduce::CarryFacts && !self.selected.is_empty() {
+            return Ok(Round::Done {
+                summary: self.carried(&rewrites)?,
+            });
         }
         if summaries.is_empty() {
             return Err(SummarizeError::AllSummariesEmpty);
@@ -242,8 +294,7 @@ impl<'t> MapReduce<'t> {
         let joined = summaries.join("\n\n");
         let starts = token_starts(self.tokenizer, &joined)?;
         if self.reduce == Reduce::CarryFacts {
-            let picked =
-                select_salient_sentences(&joined, &starts, self.budgets.final_summary, &self.topic);
+            let picked = select_salient_sentences(&joined, &starts, self.budgets.final_summary);
             if !picked.is_empty() {
                 return Ok(Round::Done {
                     summary: picked.join(" "),
@@ -266,6 +317,62 @@ impl<'t> MapReduce<'t> {
         })
     }
 
+    /// Records, for each selected sentence of `held` (indices into `selected`), the shortest
+    /// sentence of `answer` that is a compression of it under the rewrite contract and has
+    /// fewer tokens.
+    fn find_rewrites(
+        &self,
+        held: &[usize],
+        answer: &str,
+        rewrites: &mut [Option<String>],
+    ) -> Result<(), SummarizeError> {
+        for &i in held {
+            let contract = RewriteContract::new(&self.selected[i].text);
+            let mut best = self.selected[i].tokens;
+            for sentence in crate::sentences::sentences(answer) {
+                let sentence = sentence.trim();
+                if sentence.is_empty() || !contract.holds(sentence) {
+                    continue;
+                }
+                let tokens = token_starts(self.tokenizer, sentence)?.len();
+                if tokens < best {
+                    best = tokens;
+                    rewrites[i] = Some(sentence.to_string());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The summary carried from the selection: the selected sentences, most salient first, each
+    /// as rewritten where it was, while they fit the final summary's limit; in document order.
+    fn carried(&self, rewrites: &[Option<String>]) -> Result<String, SummarizeError> {
+        let mut used = 0;
+        let mut kept: Vec<(usize, &str)> = Vec::new();
+        for (picked, rewrite) in self.selected.iter().zip(rewrites) {
+            let (text, tokens) = match rewrite {
+                Some(rewrite) => (
+                    rewrite.as_str(),
+                    token_starts(self.tokenizer, rewrite)?.len(),
+                ),
+                None => (picked.text.as_str(), picked.tokens),
+            };
+            if used + tokens <= self.budgets.final_summary {
+                used += tokens;
+                kept.push((picked.position, text));
+            }
+        }
+        kept.sort_unstable_by_key(|&(position, _)| position);
+        let summary = kept
+            .into_iter()
+            .map(|(_, text)| text)
+            .collect::<Vec<_>>()
+            .join(" ");
+        // Every sentence is checked against the whole document once more.
+        let checked = grounded(&summary, self.grounding.as_ref());
+        Ok(checked.text)
+    }
+
     /// Takes the answer of the [`Round::Final`] and returns the summary: the answer up to its
     /// last whole sentence, its quotation marks paired, checked by grounding when it is on.
     /// Fails when that is empty.
@@ -279,7 +386,10 @@ impl<'t> MapReduce<'t> {
         self.replaced_sentences += checked.replaced;
         let summary = checked.text;
         if summary.is_empty() {
-            return Err(SummarizeError::NothingGrounded);
+            if self.fallback.is_empty() {
+                return Err(SummarizeError::NothingGrounded);
+            }
+            return Ok(self.fallback.clone());
         }
         Ok(summary)
     }
@@ -548,7 +658,7 @@ mod tests {
         let tokenizer = word_tokenizer();
         let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 50)
             .unwrap()
-            .with_selection(Some(100));
+            .with_selection(Some(30));
         // 20 sentences of 9 tokens without facts, and 3 of 10 tokens that state one.
         let mut paragraphs = paragraphs(20, 9);
         paragraphs.insert(3, fact_sentence(10, "1987"));
@@ -598,10 +708,10 @@ mod tests {
                 ),
             }
         );
-        // Summaries without facts are summarized by the model.
+        // Summaries without a statement to carry are summarized by the model.
         plan.start(&paragraphs(10, 30).join("\n\n")).unwrap();
         assert!(matches!(
-            plan.next_round(&paragraphs(2, 8)).unwrap(),
+            plan.next_round(&paragraphs(2, 3)).unwrap(),
             Round::Final { .. }
         ));
     }
@@ -623,7 +733,9 @@ mod tests {
             panic!("expected the summaries of the parts");
         };
         assert_eq!(prompts.len(), 3);
-        // 2019 is in the document, but not in the first chunk, whose summary the first answer is.
+        // 2019 is in the document, but not in the first chunk, whose summary the first answer
+        // is. An answer that keeps its facts but cuts a clause short gives way to the sentence
+        // of the chunk.
         let answers = [
             "W in 1987. W in 2019.".to_string(),
             "W in 2019.".to_string(),
@@ -632,23 +744,31 @@ mod tests {
         let Round::Final { prompt, .. } = plan.next_round(&answers).unwrap() else {
             panic!("expected the final summary");
         };
-        let kept = "W in 1987.\n\nW in 2019.";
+        let kept = format!(
+            "{}\n\n{}",
+            fact_sentence(30, "1987"),
+            fact_sentence(30, "2019")
+        );
         assert_eq!(
             prompt,
-            encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Summaries(kept)).unwrap()
+            encode_prompt(&tokenizer, &ChatTemplate::chatml(), Task::Summaries(&kept)).unwrap()
         );
-        assert_eq!(plan.dropped_sentences(), 2);
+        assert_eq!(
+            (plan.dropped_sentences(), plan.replaced_sentences()),
+            (2, 2)
+        );
         // The final summary is checked against the whole document.
         assert_eq!(
-            plan.finish("W in 1987. W in 2024. W in 2019.").unwrap(),
-            "W in 1987. W in 2019."
+            plan.finish(&format!("{} W in 2024.", fact_sentence(30, "1987")))
+                .unwrap(),
+            fact_sentence(30, "1987")
         );
         assert_eq!(plan.dropped_sentences(), 3);
-        // A name the document lacks.
-        assert_eq!(
-            plan.finish("Only Zed.").unwrap_err(),
-            SummarizeError::NothingGrounded
-        );
+        // A name the document lacks: nothing of the answer is left, and the summary is the
+        // document's most salient sentences, within the limit.
+        let fallback = plan.finish("Only Zed.").unwrap();
+        assert!(!fallback.contains("Zed"));
+        assert!(document.contains(&fallback), "{fallback}");
         assert!(plan.grounding().is_some());
     }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::Result;
 use serde_json::Value;
-use summarize::{Grounding, Mention};
+use summarize::{is_cjk, Grounding, Mention};
 
 use crate::bad_input::bad_input;
 
@@ -81,6 +81,11 @@ impl PlantedFacts {
         Ok(Self { facts })
     }
 
+    /// How many facts are planted.
+    pub fn len(&self) -> usize {
+        self.facts.len()
+    }
+
     /// Scores `summary` of `document`. A fact is recalled when the summary contains one of its
     /// forms as whole words, ignoring case and how much whitespace separates the words.
     pub fn score(&self, summary: &str, document: &str) -> FactScore {
@@ -116,9 +121,10 @@ fn normalized(text: &str) -> String {
         .to_lowercase()
 }
 
-/// Whether `needle` occurs in `haystack` with no letter or digit right before or after it.
+/// Whether `needle` occurs in `haystack` with no letter or digit right before or after it. A
+/// Chinese or Japanese character is a word of its own, so it bounds a form as a space does.
 fn contains_words(haystack: &str, needle: &str) -> bool {
-    let is_word = |c: Option<char>| c.is_some_and(char::is_alphanumeric);
+    let is_word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() && !is_cjk(c));
     haystack.match_indices(needle).any(|(at, _)| {
         !is_word(haystack[..at].chars().next_back())
             && !is_word(haystack[at + needle.len()..].chars().next())

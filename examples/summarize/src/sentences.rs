@@ -10,7 +10,7 @@ const CLOSERS: [char; 5] = ['"', '\u{201d}', '\u{2019}', ')', ']'];
 /// (with any closing quotes and brackets between them), or at a line break, and keeps the
 /// whitespace after it, so that the pieces joined are the text. A decimal point (`4.2`) ends
 /// nothing, as no whitespace follows it.
-pub(crate) fn sentences(text: &str) -> Vec<&str> {
+pub fn sentences(text: &str) -> Vec<&str> {
     sentence_spans(text)
         .into_iter()
         .map(|span| &text[span])
@@ -44,14 +44,46 @@ pub(crate) fn sentence_spans(text: &str) -> Vec<Range<usize>> {
     pieces
 }
 
-/// When the character at byte `at` of `text` is a `.`, `!` or `?` that ends a sentence (whitespace
-/// follows it, after any closing quotes and brackets), the byte just after those closers.
+/// Marks that end a sentence in scripts written without spaces between sentences (Chinese,
+/// Japanese: `。！？`; Devanagari `।`; Arabic `؟` and `۔`): no whitespace need follow them.
+const UNSPACED_ENDS: [char; 8] = [
+    '\u{3002}', '\u{ff01}', '\u{ff1f}', '\u{ff0e}', '\u{0964}', '\u{061f}', '\u{06d4}', '\u{2026}',
+];
+
+/// What may close a quotation or an aside after an unspaced end (`」`, `』`, `）`, `”`).
+const UNSPACED_CLOSERS: [char; 6] = [
+    '\u{300d}', '\u{300f}', '\u{ff09}', '\u{201d}', '\u{2019}', '"',
+];
+
+/// Abbreviations whose full stop ends no sentence (`Dr. Barlow`).
+const ABBREVIATIONS: [&str; 14] = [
+    "Dr", "Mr", "Mrs", "Ms", "St", "Prof", "No", "vs", "etc", "e.g", "i.e", "Fig", "approx", "cf",
+];
+
+/// When the character at byte `at` of `text` ends a sentence, the byte just after it and the
+/// closing quotes and brackets that follow it: a `.`, `!` or `?` followed by whitespace (a
+/// decimal point and an abbreviation's stop end nothing), or a full stop of a script written
+/// without spaces.
 pub(crate) fn sentence_end_at(text: &str, at: usize) -> Option<usize> {
     let rest = &text[at..];
-    let mark = rest
-        .chars()
-        .next()
-        .filter(|c| matches!(c, '.' | '!' | '?'))?;
+    let mark = rest.chars().next()?;
+    if UNSPACED_ENDS.contains(&mark) {
+        let closed = rest[mark.len_utf8()..]
+            .trim_start_matches(|c| UNSPACED_ENDS.contains(&c) || UNSPACED_CLOSERS.contains(&c));
+        return Some(text.len() - closed.len());
+    }
+    if !matches!(mark, '.' | '!' | '?') {
+        return None;
+    }
+    if mark == '.' {
+        let word = text[..at]
+            .rsplit(|c: char| c.is_whitespace() || c == '(')
+            .next()
+            .unwrap_or_default();
+        if ABBREVIATIONS.contains(&word) {
+            return None;
+        }
+    }
     let closed = rest[mark.len_utf8()..].trim_start_matches(CLOSERS);
     closed
         .starts_with(char::is_whitespace)
@@ -66,14 +98,27 @@ pub(crate) fn last_sentence_end(text: &str) -> Option<usize> {
         .find_map(|(at, _)| sentence_end_at(text, at))
 }
 
+/// The length of `text` in words: its runs of non-space characters, each character of a script
+/// written without spaces (Chinese, Japanese) counted as a word of its own. Summaries and the
+/// baselines they are measured against are held to the same count of these.
+pub fn words_in(text: &str) -> usize {
+    let cjk = text.chars().filter(|&c| crate::contract::is_cjk(c)).count();
+    let spaced = text
+        .split(|c: char| c.is_whitespace() || crate::contract::is_cjk(c))
+        .filter(|word| word.chars().any(char::is_alphanumeric))
+        .count();
+    cjk + spaced
+}
+
 /// Whether `sentence` opens as a sentence does, with a capital letter (after any opening quote or
 /// bracket): a fragment left where a sentence was cut (`19.32 plus 1.28, which is roughly 26.2.`)
 /// does not.
 pub(crate) fn opens_with_capital(sentence: &str) -> bool {
+    // A script without case (Chinese, Arabic, Devanagari) opens with any letter.
     sentence
         .chars()
         .find(|c| c.is_alphanumeric())
-        .is_some_and(char::is_uppercase)
+        .is_some_and(|c| c.is_uppercase() || (c.is_alphabetic() && !c.is_lowercase()))
 }
 
 /// Whether `sentence` is a glossary entry rather than a statement: a term of at most four words,
@@ -153,6 +198,33 @@ mod tests {
             "Three habits make a large difference: the first is coalescing."
         ));
         assert!(!is_definition("The barrier opened in 2019."));
+    }
+
+    #[test]
+    fn unspaced_scripts_end_sentences_at_their_own_marks() {
+        let text = "分块注意力把缓存切成多段。每段并行计算！结果呢？「好。」最后合并";
+        assert_eq!(
+            sentences(text),
+            [
+                "分块注意力把缓存切成多段。",
+                "每段并行计算！",
+                "结果呢？",
+                "「好。」",
+                "最后合并"
+            ]
+        );
+        assert_eq!(
+            sentences("यह पहला है। यह दूसरा है।"),
+            ["यह पहला है। ", "यह दूसरा है।"]
+        );
+    }
+
+    #[test]
+    fn an_abbreviation_ends_no_sentence() {
+        assert_eq!(
+            sentences("The critic was Dr. Barlow, e.g. in 2019. Then"),
+            ["The critic was Dr. Barlow, e.g. in 2019. ", "Then"]
+        );
     }
 
     #[test]

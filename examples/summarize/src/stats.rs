@@ -60,8 +60,14 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
     let selected = summary
         .selected_tokens
         .map_or(String::new(), |tokens| format!(" | {tokens} selected"));
+    let extractive = summary.extractive.map_or(String::new(), |why| {
+        format!(
+            " | extractive: whole sentences of the document ({})",
+            why.reason()
+        )
+    });
     format!(
-        "document {} tokens{selected} | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
+        "document {} tokens{selected}{extractive} | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
          attention {} | kv {} | device {}{facts} | {:.1} s",
         summary.document_tokens,
         summary.chunks,
@@ -88,6 +94,7 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "extra_merge_rounds": summary.extra_rounds,
             "dropped_sentences": summary.dropped_sentences,
             "replaced_sentences": summary.replaced_sentences,
+            "extractive": summary.extractive.map(|why| why.reason()),
             "generations": summary.generations,
             "prefill_tokens": t.prefill_tokens,
             "prefill_seconds": t.prefill_secs,

@@ -4,7 +4,9 @@
 use std::io::Write;
 
 use anyhow::{anyhow, Context, Result};
-use summarize::{ChatTemplate, Grounding, MapReduce, Reduce, Round, SummarizeError};
+use summarize::{
+    reads_as_english, ChatTemplate, Grounding, MapReduce, Reduce, Round, SummarizeError,
+};
 
 use crate::bad_input::BadInput;
 use crate::generation::{
@@ -30,8 +32,28 @@ pub struct Summary {
     /// Sentences of the answers replaced by the document's own sentence about their names and
     /// numbers, for attributing them to the wrong things.
     pub replaced_sentences: usize,
+    /// Why the summary is made of whole sentences of the document with no generation, if it is.
+    pub extractive: Option<Extractive>,
     pub generations: usize,
     pub timing: Timing,
+}
+
+/// Why a summary is extractive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extractive {
+    /// `--extractive`.
+    Asked,
+    /// The model reads English and the document is in another language.
+    LanguageNotRead,
+}
+
+impl Extractive {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Extractive::Asked => "asked for",
+            Extractive::LanguageNotRead => "the model does not read the document's language",
+        }
+    }
 }
 
 /// How a document is boiled down: the planner's settings.
@@ -44,8 +66,11 @@ pub struct Plan {
     /// tokens of them.
     pub select_tokens: Option<usize>,
     pub reduce: Reduce,
-    /// Drop sentences that state a number or a name the document does not contain.
-    pub ground: bool,
+    /// Summarize every document from its own sentences, with no generation.
+    pub extractive: bool,
+    /// Whether the model reads English only (the default model): a document in another language
+    /// is then summarized from its own sentences.
+    pub english_only: bool,
     /// Answers written at once (continuous batching); 1 writes them one at a time.
     pub batch: usize,
 }
@@ -70,8 +95,20 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         }
     }
 
-    /// The planner of one document.
-    fn planner(&self) -> Result<MapReduce<'m>> {
+    /// Why `document` is summarized from its own sentences, if it is.
+    fn extractive(&self, document: &str) -> Option<Extractive> {
+        if self.plan.extractive {
+            Some(Extractive::Asked)
+        } else if self.plan.english_only && !reads_as_english(document) {
+            Some(Extractive::LanguageNotRead)
+        } else {
+            None
+        }
+    }
+
+    /// The planner of one document. Every answer is checked against the document: the rewrite
+    /// contract, and the names and numbers it states.
+    fn planner(&self, extractive: bool) -> Result<MapReduce<'m>> {
         Ok(MapReduce::new(
             self.generator.tokenizer(),
             self.chat.clone(),
@@ -82,7 +119,8 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         .map_err(in_option_terms)?
         .with_selection(self.plan.select_tokens)
         .with_reduce(self.plan.reduce)
-        .with_grounding(self.plan.ground))
+        .with_extractive(extractive)
+        .with_grounding(true))
     }
 
     /// Summarizes `document`. The final summary streams to stdout when `stream` is set.
@@ -92,8 +130,9 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         progress: &mut Progress,
         stream: bool,
     ) -> Result<Summary> {
-        let mut plan = self.planner()?;
-        let mut round = plan.start(document)?;
+        let extractive = self.extractive(document);
+        let mut plan = self.planner(extractive.is_some())?;
+        let mut round = plan.start(document).map_err(in_option_terms)?;
         let text = loop {
             let next = match round {
                 Round::Parts {
@@ -143,6 +182,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
             extra_rounds: plan.merge_rounds(),
             dropped_sentences: plan.dropped_sentences(),
             replaced_sentences: plan.replaced_sentences(),
+            extractive,
             generations: self.generations,
             timing: self.timing,
         })
@@ -238,10 +278,12 @@ impl<'g, 'm> Summarizer<'g, 'm> {
     ) -> Result<Vec<Summary>> {
         let mut runs = Vec::with_capacity(documents.len());
         for document in documents {
-            let mut plan = self.planner()?;
-            let round = plan.start(document)?;
+            let extractive = self.extractive(document);
+            let mut plan = self.planner(extractive.is_some())?;
+            let round = plan.start(document).map_err(in_option_terms)?;
             runs.push(DocumentRun {
                 plan,
+                extractive,
                 round: Some(round),
                 generations: 0,
                 timing: Timing::default(),
@@ -318,6 +360,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
 /// One document of [`Summarizer::summarize_many`].
 struct DocumentRun<'t> {
     plan: MapReduce<'t>,
+    extractive: Option<Extractive>,
     /// The round whose answers are being written; `None` once summarized.
     round: Option<Round>,
     generations: usize,
@@ -335,6 +378,7 @@ impl DocumentRun<'_> {
             extra_rounds: self.plan.merge_rounds(),
             dropped_sentences: self.plan.dropped_sentences(),
             replaced_sentences: self.plan.replaced_sentences(),
+            extractive: self.extractive,
             generations: self.generations,
             timing: self.timing,
         }
@@ -437,10 +481,11 @@ fn in_option_terms(error: SummarizeError) -> anyhow::Error {
             "the summaries of the parts do not get shorter when summarized again; \
              try a larger --chunk-tokens or a smaller --max-new-tokens"
         ),
-        SummarizeError::NothingGrounded => anyhow!(
-            "every sentence of the model's summary stated a number or a name the document does \
-             not contain; --keep-ungrounded keeps them"
-        ),
+        SummarizeError::NothingToSelect => BadInput(format!(
+            "{}; --extractive and a document not in English need such sentences",
+            SummarizeError::NothingToSelect
+        ))
+        .into(),
         error => error.into(),
     }
 }

@@ -941,32 +941,69 @@ impl NvccJob {
             .arg(KERNEL_DIR)
             .arg("-o")
             .arg(&self.output)
-            .arg(&self.source)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .arg(&self.source);
+        // Into a file, not a pipe: a compiler that writes more than a pipe holds would wait for
+        // a reader while compile_all waits for it to exit.
+        let log = fs::File::create(self.log())
+            .map_err(|e| format!("creating {}: {e}", self.log().display()))?;
+        let log_err = log
+            .try_clone()
+            .map_err(|e| format!("opening {}: {e}", self.log().display()))?;
+        command
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
             .spawn()
             .map_err(|e| format!("running {}: {e}", nvcc.display()))
     }
+
+    /// Where the compiler's messages go.
+    fn log(&self) -> PathBuf {
+        self.output.with_extension("log")
+    }
 }
 
-/// Runs nvcc on every job at once.
+/// Runs nvcc on the jobs, at most `NUM_JOBS` at a time (cargo's `-j`, the machine's cores by
+/// default), the largest sources first so that the last to finish is a small one. All at once
+/// would hold every compiler's memory together: several GB on a small machine.
 fn compile_all(nvcc: &Path, jobs: &[NvccJob]) -> Result<(), String> {
-    let children = jobs
-        .iter()
-        .map(|job| job.spawn(nvcc).map(|c| (&job.source, c)))
-        .collect::<Result<Vec<_>, _>>()?;
+    let parallel = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1)
+        .max(1);
+    let size = |job: &NvccJob| fs::metadata(&job.source).map_or(0, |m| m.len());
+    let mut queue: Vec<&NvccJob> = jobs.iter().collect();
+    queue.sort_by_key(|job| std::cmp::Reverse(size(job)));
+    let mut queue = queue.into_iter();
+    let mut running: Vec<(&NvccJob, Child)> = Vec::new();
     let mut failures = String::new();
-    for (source, child) in children {
-        let output = child
-            .wait_with_output()
-            .map_err(|e| format!("waiting for nvcc: {e}"))?;
-        if !output.status.success() {
+    loop {
+        while running.len() < parallel {
+            let Some(job) = queue.next() else { break };
+            running.push((job, job.spawn(nvcc)?));
+        }
+        if running.is_empty() {
+            break;
+        }
+        // Reap whichever finishes first; poll, as std has no wait-for-any.
+        let done = loop {
+            let finished = running
+                .iter_mut()
+                .position(|(_, child)| matches!(child.try_wait(), Ok(Some(_)) | Err(_)));
+            match finished {
+                Some(i) => break i,
+                None => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        };
+        let (job, mut child) = running.swap_remove(done);
+        let status = child.wait().map_err(|e| format!("waiting for nvcc: {e}"))?;
+        if !status.success() {
             write!(
                 failures,
-                "nvcc failed on {}:\n{}{}",
-                source.display(),
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
+                "nvcc failed on {}:\n{}",
+                job.source.display(),
+                fs::read_to_string(job.log()).unwrap_or_default()
             )
             .unwrap();
         }

@@ -37,6 +37,7 @@ struct DecodeParams {
                             // chunks of a multiple of this (chunk_size is then unused)
     // Read by the windowed forms only:
     int window_left;        // a query sees at most this many positions before its own; -1: all
+    int window_right;       // and this many after its own (0: causal), at most query_tokens - 1
     float softcap_log2;     // soft cap c·log2(e) of the base-2 scores (c·tanh(s/c)); 0: none
     float softcap_exp2;     // 2/c: e^(2s/c) of a natural score s is 2^(this · its base-2 score)
     // Read by the paged forms only (kernels/paged_kv.cuh); k and v are then pools of pages whose
@@ -141,11 +142,29 @@ __device__ __forceinline__ int visible_end(int len, int token, int tokens) {
     return len - (tokens - 1 - token);
 }
 
+// The same in the windowed forms, where a token also sees window_right positions past its own.
+template <class V>
+__device__ __forceinline__ int visible_end(const DecodeParams& p, int len, int token) {
+    const int end = visible_end(len, token, p.query_tokens);
+    return V::kWindowed ? min(len, end + p.window_right) : end;
+}
+
 // Query token `token` sees positions from this one on: all of them, or with a sliding window the
 // last window_left + 1 up to its own.
 __device__ __forceinline__ int visible_begin(const DecodeParams& p, int len, int token) {
     return p.window_left < 0 ? 0 : max(0, visible_end(len, token, p.query_tokens) - 1 - p.window_left);
 }
+
+// The most shared memory a kernel form takes per CTA. sm_90 gives a CTA 227 KiB. A build for an
+// earlier target keeps its forms within the 99 KiB of sm_86 and sm_89, so that one build for
+// sm_80 runs on every Ampere and Ada GPU (an A100 would allow 163 KiB); the host checks the few
+// forms that cannot shrink that far (16-bit tensor-core decode at head dim 256) against the GPU
+// it runs on.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kMaxSmemPerCta = 227 * 1024;
+#else
+constexpr int kMaxSmemPerCta = 99 * 1024;
+#endif
 
 // Both partial kernels run four independently streaming warps per CTA.
 constexpr int kWarps = 4;

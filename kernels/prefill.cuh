@@ -1,9 +1,9 @@
 // Causal prefill attention on tensor cores (f16/bf16 queries; K/V f16/bf16 or fp8 e4m3;
 // mma.sync m16n8k16, sm_80 and later): FlashAttention-2's forward pass over a KV cache whose last
 // t positions are the query tokens. Query token i of a sequence of `len` positions sees keys
-// [begin_i, end_i) with end_i = len - t + 1 + i (the mask aligned to the end of the cache) and
-// begin_i = 0, or end_i - 1 - window_left with a sliding window; a token that sees no key gets
-// zeros and an LSE of -inf.
+// [begin_i, end_i) with end_i = len - t + 1 + i (the mask aligned to the end of the cache; in the
+// windowed forms window_right further, up to len) and begin_i = 0, or end_i - 1 - window_left
+// with a sliding window; a token that sees no key gets zeros and an LSE of -inf.
 //
 // Work: one CTA per (query tile, batch, kv head, split). A query tile is kRows query rows of one
 // kv head, where row r of a (batch, kv head) is query token r / group of its query head
@@ -61,6 +61,7 @@ struct PrefillParams {
     float v_scale;            // real values are stored ones × v_scale (1 for f16/bf16)
     // Read by the windowed forms only:
     int window_left;          // a query sees at most this many positions before its own; -1: all
+    int window_right;         // and this many after its own (0: causal), at most query_tokens - 1
     float softcap_log2;       // soft cap c·log2(e) of the base-2 scores; 0: none
     float softcap_exp2;       // 2/c (see soft_capped in common.cuh)
     // Read by the paged forms only:
@@ -76,11 +77,18 @@ struct PrefillParams {
 // in registers. Keys per tile: 32 at D = 80..128, where a 64-key score tile beside the 128
 // accumulator registers of 32 rows would spill. At D = 256 the accumulator of 16 rows alone
 // takes 128 registers, so warps hold one m-tile.
+//
+// Builds for targets before sm_90 keep within kMaxSmemPerCta (99 KiB), where 128 rows and two
+// stages of 64-key tiles at D = 256 would take 198 KiB: there (kNarrow) four warps of 16 rows
+// stream 16-key tiles through three stages (83 KiB).
 template <int D> struct PrefillShape {
-    static constexpr int kWarps = D <= 128 ? 4 : 8;
+    // 128 query rows and two stages of 64-key K and V tiles, 16-bit rows padded by 16 bytes.
+    static constexpr int kWideBytes = (128 + 2 * 2 * 64) * (2 * D + 16);
+    static constexpr bool kNarrow = D > 128 && kWideBytes > kMaxSmemPerCta;
+    static constexpr int kWarps = D <= 128 || kNarrow ? 4 : 8;
     static constexpr int kMTiles = D <= 128 ? 2 : 1;   // 16-row m-tiles per warp
-    static constexpr int kKeys = D <= 64 || D > 128 ? 64 : 32;  // K/V positions per tile
-    static constexpr int kStages = 2;                  // K/V tiles in the ring
+    static constexpr int kKeys = kNarrow ? 16 : (D <= 64 || D > 128 ? 64 : 32);  // K/V positions per tile
+    static constexpr int kStages = kNarrow ? 3 : 2;    // K/V tiles in the ring
     static constexpr bool kQueryInRegisters = D <= 64;
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
 };
@@ -127,6 +135,7 @@ template <class Traits> struct PrefillTiling {
     static constexpr int kKvTileBytes = kKeys * PaddedRows<kKvRowBytes>::kStride;
     static constexpr int kStageBytes = 2 * kKvTileBytes;  // K then V
     static constexpr int kSmemBytes = kQueryBytes + kStages * kStageBytes;
+    static_assert(kSmemBytes <= kMaxSmemPerCta, "the form fits the target's shared memory");
 };
 
 // `ldmatrix` on 32-bit shared-space addresses.
@@ -151,10 +160,12 @@ __device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], unsigned addr) {
                  : "r"(addr));
 }
 
-// Where query token `token` of `tokens` in a sequence of `len` positions stops seeing keys, and
-// from where it sees them (window_left < 0: from the start).
-__device__ __forceinline__ int prefill_key_end(int len, int token, int tokens) {
-    return max(0, len - tokens + 1 + token);
+// Where query token `token` of `tokens` in a sequence of `len` positions stops seeing keys (past
+// its own position, or window_right past it), and from where it sees them (window_left < 0: from
+// the start).
+__device__ __forceinline__ int prefill_key_end(int len, int token, int tokens, int window_right = 0) {
+    const int end = max(0, len - tokens + 1 + token);
+    return window_right > 0 ? min(len, end + window_right) : end;
 }
 __device__ __forceinline__ int prefill_key_begin(int len, int token, int tokens, int window_left) {
     return window_left < 0 ? 0 : max(0, len - tokens + token - window_left);
@@ -235,11 +246,12 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const int window = WINDOWED ? p.window_left : -1;
+    const int right = WINDOWED ? p.window_right : 0;
 
     const int row0 = q_tile * M;
     const int last_row = min(row0 + M, rows_total) - 1;
     const int kv_begin = prefill_key_begin(len, row0 / group, tokens, window);
-    const int kv_end = prefill_key_end(len, last_row / group, tokens);
+    const int kv_end = prefill_key_end(len, last_row / group, tokens, right);
     const int tile_begin = kv_begin / N;
     const int tiles = kv_end > kv_begin ? (kv_end + N - 1) / N - tile_begin : 0;
     const int lo = tile_begin + (int)((long long)tiles * split / p.num_splits);
@@ -255,9 +267,9 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     const int warp_first = row0 + warp_row0;
     const int warp_last = min(warp_first + MT * 16, rows_total) - 1;
     const bool warp_rows = warp_first < rows_total;
-    const int warp_end = warp_rows ? prefill_key_end(len, warp_last / group, tokens) : 0;
+    const int warp_end = warp_rows ? prefill_key_end(len, warp_last / group, tokens, right) : 0;
     const int warp_begin = warp_rows ? prefill_key_begin(len, warp_first / group, tokens, window) : 0;
-    const int warp_full_end = warp_rows ? prefill_key_end(len, warp_first / group, tokens) : 0;
+    const int warp_full_end = warp_rows ? prefill_key_end(len, warp_first / group, tokens, right) : 0;
     const int warp_full_begin = warp_rows ? prefill_key_begin(len, warp_last / group, tokens, window) : 0;
 
     // K/V tile loads: the CTA's threads copy the tile's 16-byte pieces, consecutive threads on
@@ -502,7 +514,7 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
                 for (int h = 0; h < 2; ++h) {
                     const int r = row0 + warp_row0 + mt * 16 + quad_row + 8 * h;
                     const int token = r / group;
-                    const int end = r < rows_total ? prefill_key_end(len, token, tokens) : 0;
+                    const int end = r < rows_total ? prefill_key_end(len, token, tokens, right) : 0;
                     const int begin = prefill_key_begin(len, token, tokens, window);
 #pragma unroll
                     for (int nt = 0; nt < SN; ++nt)

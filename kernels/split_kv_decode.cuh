@@ -23,17 +23,28 @@ template <typename T, int D, int GMAX> struct Tiling {
     static constexpr int kChunks = D / 8;  // 8-element chunks per row
     static constexpr int kLanesPerRow = kChunks <= 8 ? 8 : (kChunks <= 16 ? 16 : 32);
     static constexpr int kRowsPerStep = 32 / kLanesPerRow;
-    static constexpr int kSteps = GMAX <= 4 ? 8 : (GMAX == 8 ? 4 : 2);
+    // q lives in registers for small groups and in shared memory (after the ring) for GMAX 16.
+    static constexpr bool kQInRegisters = GMAX <= 8;
+    static constexpr int kQBytes = kQInRegisters ? 0 : GMAX * D * (int)sizeof(float);
+    // The ring's share of kMaxSmemPerCta, and the bytes of a stage of `steps` steps.
+    static constexpr int kRingBudget = kMaxSmemPerCta - kQBytes;
+    static constexpr int stage_bytes(int steps) { return 2 * kRowsPerStep * steps * D * (int)sizeof(T); }
+    // Steps per tile: fewer where two stages of the wanted tile would not fit the budget.
+    static constexpr int steps_within_budget(int steps) {
+        return steps > 1 && kWarps * 2 * stage_bytes(steps) > kRingBudget ? steps_within_budget(steps / 2) : steps;
+    }
+    static constexpr int kSteps = steps_within_budget(GMAX <= 4 ? 8 : (GMAX == 8 ? 4 : 2));
     static constexpr int kRows = kRowsPerStep * kSteps;  // rows per warp tile
-    static constexpr int kStageBytes = 2 * kRows * D * (int)sizeof(T);
+    static constexpr int kStageBytes = stage_bytes(kSteps);
     static constexpr int kStagesWanted = kRingBytesPerWarp / kStageBytes;
-    static constexpr int kStages = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    static constexpr int kStagesFit = kRingBudget / (kWarps * kStageBytes);
+    static constexpr int kStagesClamped = kStagesWanted < 2 ? 2 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    static constexpr int kStages = kStagesClamped < kStagesFit ? kStagesClamped : kStagesFit;
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
     static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
     static constexpr int kSmemBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
-    // q lives in registers for small groups and in shared memory (after the ring) for GMAX 16.
-    static constexpr bool kQInRegisters = GMAX <= 8;
-    static constexpr int kTotalSmem = kSmemBytes + (kQInRegisters ? 0 : GMAX * D * (int)sizeof(float));
+    static constexpr int kTotalSmem = kSmemBytes + kQBytes;
+    static_assert(kStages >= 2 && kTotalSmem <= kMaxSmemPerCta, "the form fits the target's shared memory");
 };
 
 // V, the form's variant (kernels.toml's axes): kWindowed applies a sliding window (p.window_left)
@@ -73,7 +84,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
     const int num_tiles = end > start ? (end - start + ROWS - 1) / ROWS : 0;
     // In [shared_begin, shared_end) every query row sees every position; elsewhere row g sees
     // [row_begin[g], row_end[g]). Without a window both begins are 0.
-    const int shared_end = min(end, visible_end(len, 0, p.query_tokens));
+    const int shared_end = min(end, visible_end<V>(p, len, 0));
     const int shared_begin = V::kWindowed ? visible_begin(p, len, p.query_tokens - 1) : 0;
     int row_begin[GMAX], row_end[GMAX];
 
@@ -93,7 +104,7 @@ __device__ __forceinline__ void decode_partial(const DecodeParams& p) {
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
         const QueryRow r = query(g);
-        row_end[g] = r.head < 0 ? end : min(end, visible_end(len, r.token, p.query_tokens));
+        row_end[g] = r.head < 0 ? end : min(end, visible_end<V>(p, len, r.token));
         row_begin[g] = V::kWindowed && r.head >= 0 ? visible_begin(p, len, r.token) : 0;
     }
     if constexpr (Cfg::kQInRegisters) {

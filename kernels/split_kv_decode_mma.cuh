@@ -58,8 +58,12 @@ template <typename KV, int D, int GMAX> struct MmaTiling {
     static constexpr int kStageBytes = 2 * kRows * kRowBytes;
     static constexpr int kStagesWanted = kMmaRingBytesPerWarp / kStageBytes;
     // At least three, so that two tiles are in flight while one is computed; at D = 256 that is
-    // 48 KiB a warp, past kMmaRingBytesPerWarp.
-    static constexpr int kStages = kStagesWanted < 3 ? 3 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    // 48 KiB a warp, past kMmaRingBytesPerWarp. Fewer where kMaxSmemPerCta holds fewer; at
+    // D = 256 with 16-bit K/V not even two fit 99 KiB, and the host runs the CUDA-core form on a
+    // GPU that cannot give this one its shared memory.
+    static constexpr int kStagesClamped = kStagesWanted < 3 ? 3 : (kStagesWanted > 8 ? 8 : kStagesWanted);
+    static constexpr int kStagesFit = kMaxSmemPerCta / (kWarps * kStageBytes);
+    static constexpr int kStages = kStagesClamped <= kStagesFit || kStagesFit < 2 ? kStagesClamped : kStagesFit;
     static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
     // The warps' states, after the ring is drained.
     static constexpr int kMergeBytes = merge_smem_bytes<D, GMAX>();
@@ -216,7 +220,7 @@ __device__ __forceinline__ MmaItem mma_item(const DecodeParams& p, int index, in
     it.start = V::kWindowed ? max(range.start, visible_begin(p, len, 0)) : range.start;
     it.end = range.end;
     it.len = len;
-    it.shared_end = min(it.end, visible_end(len, 0, p.query_tokens));
+    it.shared_end = min(it.end, visible_end<V>(p, len, 0));
     const int num_tiles = it.end > it.start ? (it.end - it.start + ROWS - 1) / ROWS : 0;
     // This warp's n-th tile is the chunk's tile (warp + n * kWarps).
     it.my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
@@ -293,7 +297,7 @@ template <typename T, typename KV, int D, int GMAX, class V> struct MmaDecode {
             const int real = real_row(it.kv_head * group + head, p.padded_group, p.real_group);
             if (real < 0) return nullptr;
             const QueryRow r = query_row(real, p.query_tokens);
-            end = min(it.end, visible_end(it.len, r.token, p.query_tokens));
+            end = min(it.end, visible_end<V>(p, it.len, r.token));
             return q + r.token * p.q_seq_stride + (long long)r.head * p.q_head_stride;
         };
         if constexpr (V::kWindowed) {

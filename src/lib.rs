@@ -117,6 +117,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod device_memory;
+pub mod flash_attn;
 mod fp8;
 #[cfg(feature = "models")]
 pub mod models;

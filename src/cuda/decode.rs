@@ -205,6 +205,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         window_left: call
             .window_left
             .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
+        window_right: call.window_right.min(i32::MAX as usize) as i32,
         softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
         softcap_exp2: call.softcap.map_or(0.0, |c| 2.0 / c),
         block_table: u32_ptr("block_table", call.block_table, &dev)?,

@@ -28,6 +28,17 @@ fn gpu_min_chunk(kv_len: usize) -> usize {
     }
 }
 
+/// Whether the tensor-core forms' ring for `dims` fits the shared memory `dev` gives a CTA. A
+/// build for a target before sm_90 sizes every form for 99 KiB but one: 16-bit K/V at head dim
+/// 256, whose ring needs the 192 KiB of an sm_90 GPU running that build; elsewhere those calls
+/// run on CUDA cores.
+fn tensor_cores_fit(dev: &CudaDevice, dtype: DType, dims: &DecodeDims) -> Result<bool> {
+    match KernelForm::TensorCore.find(dtype, dtype, dims.head_dim, dims.group_size()) {
+        Some(spec) => Ok(spec.smem_bytes <= max_smem_per_cta(dev)?),
+        None => Ok(true),
+    }
+}
+
 /// The kernel family that runs for `choice`, `dtype` queries and K/V stored as `kv_dtype`.
 fn resolve_family(choice: CudaKernel, dtype: DType, kv_dtype: DType) -> Result<KernelForm> {
     if kv_dtype == DType::F8E4M3 {
@@ -78,7 +89,14 @@ pub(crate) fn prepare(
 ) -> Result<(DecodeKernel, SplitPlan)> {
     let dims = &blocks.dims;
     let mut family = resolve_family(call.cuda_kernel, dtype, kv_dtype)?;
-    let windowed = call.window_left.is_some() || call.softcap.is_some();
+    if call.cuda_kernel == CudaKernel::Auto
+        && family == KernelForm::TensorCore
+        && kv_dtype == dtype
+        && !tensor_cores_fit(dev, dtype, dims)?
+    {
+        family = KernelForm::CudaCore;
+    }
+    let windowed = call.windowed();
     if dims.pages.is_some() {
         family = match family.paged(windowed) {
             Some(paged) => paged,

@@ -96,7 +96,7 @@ pub(crate) fn route(
              {dtype:?} with K/V {kv_dtype:?}"
         )
     }
-    let windowed = call.window_left.is_some() || call.softcap.is_some();
+    let windowed = call.windowed();
     let paged = call.dims.pages.is_some();
     let form = match (family, windowed, paged) {
         (PrefillFamily::Wgmma, _, false) => KernelForm::PrefillSm90,
@@ -153,7 +153,7 @@ fn wgmma_covers(
     kv_dtype: DType,
 ) -> Result<bool> {
     let kv_takes = kv_dtype == dtype || kv_dtype == DType::F8E4M3;
-    if !kv_takes || call.window_left.is_some() || call.softcap.is_some() {
+    if !kv_takes || call.windowed() {
         return Ok(false);
     }
     if KernelForm::PrefillSm90
@@ -406,6 +406,7 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         window_left: call
             .window_left
             .map_or(-1, |w| w.min(i32::MAX as usize) as i32),
+        window_right: call.window_right.min(i32::MAX as usize) as i32,
         softcap_log2: call.softcap.map_or(0.0, |c| c * std::f32::consts::LOG2_E),
         softcap_exp2: call.softcap.map_or(0.0, |c| 2.0 / c),
         max_pages: pages.map_or(0, |p| p.max_pages) as i32,

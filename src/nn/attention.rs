@@ -291,7 +291,13 @@ impl CachedAttention {
         if self.prefill_block == 0 {
             bail!("cached attention: prefill_block must be at least 1")
         }
-        crate::op::validate::check_window_and_softcap(self.window_left, self.softcap)
+        if self.window_left == Some(0) {
+            bail!(
+                "cached attention: window_left must be at least 1 (a model's sliding window \
+                 holds the token and the ones before it); use None for no window"
+            )
+        }
+        crate::op::validate::check_softcap(self.softcap)
     }
 
     /// The split-KV op over q's t tokens `(b, t, h_q, d)` after `past` cached positions, in

@@ -28,6 +28,9 @@ pub(crate) struct DecodeCall<'a> {
     pub v_scale: f32,
     /// A query sees at most this many positions before its own.
     pub window_left: Option<usize>,
+    /// A query sees this many positions after its own (0: causal), at most `q_len − 1`, which
+    /// lets every query see every key.
+    pub window_right: usize,
     /// Scores become `c·tanh(s/c)` (after the softmax scale) with this c.
     pub softcap: Option<f32>,
     /// `None`: the heuristic decides; `Some(n)`: n splits, clamped to the sequence.
@@ -45,6 +48,13 @@ pub(crate) struct DecodeCall<'a> {
 }
 
 impl DecodeCall<'_> {
+    /// Whether the call masks or caps beyond the plain causal mask, which the CUDA kernels run
+    /// in forms of their own.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn windowed(&self) -> bool {
+        self.window_left.is_some() || self.window_right > 0 || self.softcap.is_some()
+    }
+
     /// The split plan for hardware running `parallel_slots` units at once, with chunks of at
     /// least `min_chunk` positions: the forced count clamped to the sequence, or the heuristic's.
     pub fn split_plan(&self, parallel_slots: usize, min_chunk: usize) -> SplitPlan {

@@ -266,6 +266,7 @@ fn decode_slices<T: Element, KV: Element>(
         k_scale: call.k_scale,
         v_scale: call.v_scale,
         window_left: call.window_left,
+        window_right: call.window_right,
         softcap: call.softcap,
         poison_scratch: poisons_scratch(),
     };
@@ -299,6 +300,8 @@ pub(crate) struct DecodeInputs<'a, T, KV> {
     pub v_scale: f32,
     /// A query sees at most this many positions before its own.
     pub window_left: Option<usize>,
+    /// A query sees this many positions after its own (0: causal).
+    pub window_right: usize,
     /// Scores become `c·tanh(s/c)` with this c.
     pub softcap: Option<f32>,
     /// Fill the split scratch and the output with NaN before the passes run (test hook).
@@ -480,11 +483,16 @@ fn attend_chunk<T: Element, KV: Element, S: InnerLoops>(
     let seq_len = inputs
         .seqlens
         .map_or(dims.kv_len, |lens| lens[batch] as usize);
-    // Query token i is position seq_len − q_len + i and sees the keys before and at it, or
-    // with a window the last window_left + 1 of them.
-    let visible = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
+    // Query token i is position seq_len − q_len + i and sees the keys before and at it (and
+    // window_right after it), or with a window the last window_left + 1 up to it.
+    let position_end = |row: usize| (seq_len + row / group + 1).saturating_sub(dims.q_len);
+    let visible = |row: usize| {
+        (seq_len + row / group + 1 + inputs.window_right)
+            .saturating_sub(dims.q_len)
+            .min(seq_len)
+    };
     let first_seen = |row: usize| match inputs.window_left {
-        Some(w) => visible(row).saturating_sub(w + 1),
+        Some(w) => position_end(row).saturating_sub(w + 1),
         None => 0,
     };
     // Positions before the first token's window are never read.
@@ -614,6 +622,7 @@ mod tests {
             k_scale: 1.0,
             v_scale: 1.0,
             window_left: None,
+            window_right: 0,
             softcap: None,
             poison_scratch: false,
         };

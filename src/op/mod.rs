@@ -28,7 +28,8 @@ type LseSlot = Arc<Mutex<Option<Tensor>>>;
 ///
 /// - q: `(batch, t, q_heads, head_dim)`, t ≥ 1: the last t positions of each sequence, query
 ///   token i seeing the keys up to position `len − t + i` (causal, aligned to the end of the
-///   cache); a token that sees no key gets zeros and an LSE of −inf. On the CPU, past a few
+///   cache; [`SplitKvAttention::with_window_right`] moves or lifts that bound); a token that
+///   sees no key gets zeros and an LSE of −inf. On the CPU, past a few
 ///   tokens a tiled prefill pass runs. On CUDA, calls of up to
 ///   [`MAX_QUERY_TOKENS`](crate::MAX_QUERY_TOKENS) tokens run the decode kernels, where the t
 ///   tokens of a sequence share one pass over its K/V; longer calls (a prefill, a chunk of one)
@@ -53,6 +54,7 @@ pub struct SplitKvAttention {
     k_scale: f32,
     v_scale: f32,
     window_left: Option<usize>,
+    window_right: Option<usize>,
     softcap: Option<f32>,
     block_table: Option<Tensor>,
     lse_slot: Option<LseSlot>,
@@ -61,7 +63,7 @@ pub struct SplitKvAttention {
 impl SplitKvAttention {
     /// The op with `softmax_scale` (the multiplier of q·k before the softmax, usually
     /// `1 / sqrt(head_dim)`), the heuristic split count, no per-sequence lengths, K/V as stored
-    /// (scales of 1), no window and no soft-capping.
+    /// (scales of 1), the causal mask, no window and no soft-capping.
     pub fn new(softmax_scale: f32) -> Self {
         Self {
             softmax_scale,
@@ -71,6 +73,7 @@ impl SplitKvAttention {
             k_scale: 1.0,
             v_scale: 1.0,
             window_left: None,
+            window_right: Some(0),
             softcap: None,
             block_table: None,
             lse_slot: None,
@@ -103,9 +106,18 @@ impl SplitKvAttention {
 
     /// Sliding window: a query at position p sees keys p − `window_left` ..= p only (Mistral,
     /// Gemma-2's local layers); keys before the window are not read. `None`: every key before
-    /// it. At least 1.
+    /// it; `Some(0)`: none before it.
     pub fn with_window_left(mut self, window_left: Option<usize>) -> Self {
         self.window_left = window_left;
+        self
+    }
+
+    /// How far past its own position a query sees: keys up to p + `window_right`. `Some(0)`
+    /// (the default) is the causal mask; `None` lets every query see every key after it too
+    /// (no causal mask, as an encoder attends). With [`SplitKvAttention::with_window_left`] this
+    /// is FlashAttention's local window `(window_size_left, window_size_right)`.
+    pub fn with_window_right(mut self, window_right: Option<usize>) -> Self {
+        self.window_right = window_right;
         self
     }
 
@@ -142,7 +154,7 @@ impl SplitKvAttention {
     pub fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let dims = validate::check_tensors(q, k, v, self.block_table.as_ref())?;
         validate::check_num_splits(self.num_splits)?;
-        validate::check_window_and_softcap(self.window_left, self.softcap)?;
+        validate::check_softcap(self.softcap)?;
         if let Some(seqlens) = &self.seqlens_k {
             validate::check_seqlens(seqlens, q, &dims)?;
         } else if dims.pages.is_some() {
@@ -213,6 +225,10 @@ impl SplitKvAttention {
             k_scale: self.k_scale,
             v_scale: self.v_scale,
             window_left: self.window_left,
+            // Past q_len − 1 every query already sees every key.
+            window_right: self
+                .window_right
+                .map_or(dims.q_len - 1, |w| w.min(dims.q_len - 1)),
             softcap: self.softcap,
             num_splits: self.num_splits,
             seqlens_k: self.seqlens_k.as_ref(),

@@ -322,14 +322,8 @@ pub fn check_block_table_values(table: &[u32], seqlens: &[u32], pages: PageDims)
     Ok(())
 }
 
-/// A window of at least one position, a finite positive soft cap.
-pub fn check_window_and_softcap(window_left: Option<usize>, softcap: Option<f32>) -> Result<()> {
-    if window_left == Some(0) {
-        bail!(
-            "split-kv attention: window_left must be at least 1 (a query then sees itself and the \
-             one before); use None for no window"
-        )
-    }
+/// A finite positive soft cap.
+pub fn check_softcap(softcap: Option<f32>) -> Result<()> {
     if let Some(c) = softcap {
         if !(c.is_finite() && c > 0.0) {
             bail!("split-kv attention: softcap must be finite and positive, got {c}; use None for no capping")

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod batched;
+pub mod flash_attn_cases;
 pub mod own_process;
 pub mod paged;
 pub mod seeded;

@@ -15,6 +15,7 @@ mod cpu_matrix;
 mod cpu_prefill;
 mod cpu_query_tokens;
 mod families_equivalence;
+mod flash_attn_api;
 mod gguf_families;
 mod kv_cache_fp8;
 mod llama_equivalence;

@@ -9,6 +9,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod flash_attn_api;
 mod fused_linear;
 mod gpu_batched;
 mod gpu_families;

@@ -151,20 +151,21 @@ fn gpu_window_and_softcap_wide_groups_many_items_and_fp8() -> Result<()> {
 }
 
 #[test]
-fn bad_windows_and_caps_are_errors() -> Result<()> {
+fn bad_caps_are_errors_and_a_zero_window_sees_the_query_alone() -> Result<()> {
     let dev = Device::Cpu;
     let q = random((1, 1, 4, 64), DType::F32, &dev)?;
     let k = random((1, 10, 2, 64), DType::F32, &dev)?;
+    let v = random((1, 10, 2, 64), DType::F32, &dev)?;
     let op = SplitKvAttention::new(0.125);
-    let err = op
-        .clone()
-        .with_window_left(Some(0))
-        .forward(&q, &k, &k)
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("window_left must be at least 1"),
-        "{err}"
-    );
+    // A window of 0 leaves each query its own position: the output is that position's value.
+    let alone = op.clone().with_window_left(Some(0)).forward(&q, &k, &v)?;
+    let own = v
+        .narrow(1, 9, 1)?
+        .unsqueeze(3)?
+        .repeat((1, 1, 1, 2, 1))?
+        .reshape((1, 1, 4, 64))?;
+    let diff = (alone - own)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-6, "window 0: {diff}");
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         let err = op
             .clone()

@@ -63,19 +63,27 @@ pub(super) fn split_plan(call: &DecodeCall, parallel_slots: usize) -> SplitPlan 
 
 /// The keys each query token of one sequence sees.
 #[derive(Debug, Clone, Copy)]
-struct Causal {
+struct VisibleKeys {
     seq_len: usize,
     q_len: usize,
     window_left: Option<usize>,
+    window_right: usize,
 }
 
-impl Causal {
-    /// Token `i` is position `seq_len − q_len + i` and sees the keys up to it, or with a window
-    /// the last `window_left + 1` of them; none if it lies before the sequence's start.
+impl VisibleKeys {
+    /// Token `i` is position `seq_len − q_len + i` and sees the keys up to it (and
+    /// `window_right` after it), or with a window from `window_left` before it; none if it lies
+    /// before the sequence's start and sees nothing after it.
     #[inline]
     fn keys(&self, token: usize) -> Range<usize> {
-        let end = (self.seq_len + token + 1).saturating_sub(self.q_len);
-        let start = self.window_left.map_or(0, |w| end.saturating_sub(w + 1));
+        let own_end = (self.seq_len + token + 1).saturating_sub(self.q_len);
+        let end = (self.seq_len + token + 1 + self.window_right)
+            .saturating_sub(self.q_len)
+            .min(self.seq_len);
+        let start = self
+            .window_left
+            .map_or(0, |w| own_end.saturating_sub(w + 1))
+            .min(end);
         start..end
     }
 }
@@ -88,7 +96,7 @@ struct Task {
     kv_head: usize,
     tokens: Range<usize>,
     keys: Range<usize>,
-    causal: Causal,
+    visible: VisibleKeys,
 }
 
 impl Task {
@@ -119,12 +127,13 @@ pub(super) fn attend<T: Element, KV: Element>(
         let split = region % plan.num_splits;
         let kv_head = (region / plan.num_splits) % dims.kv_heads;
         let batch = region / (plan.num_splits * dims.kv_heads);
-        let causal = Causal {
+        let visible = VisibleKeys {
             seq_len: inputs
                 .seqlens
                 .map_or(dims.kv_len, |lens| lens[batch] as usize),
             q_len: dims.q_len,
             window_left: inputs.window_left,
+            window_right: inputs.window_right,
         };
         let chunk = split * plan.chunk_size..(split + 1) * plan.chunk_size;
         let blocks = out
@@ -132,14 +141,14 @@ pub(super) fn attend<T: Element, KV: Element>(
             .zip(lse.chunks_mut(block * group));
         for (i, (out, lse)) in blocks.enumerate() {
             let tokens = i * block..((i + 1) * block).min(dims.q_len);
-            let first = causal.keys(tokens.start).start;
-            let last = causal.keys(tokens.end - 1).end;
+            let first = visible.keys(tokens.start).start;
+            let last = visible.keys(tokens.end - 1).end;
             let task = Task {
                 batch,
                 kv_head,
                 keys: first.max(chunk.start)..last.min(chunk.end),
                 tokens,
-                causal,
+                visible,
             };
             tasks.push((task, out, lse));
         }
@@ -259,7 +268,7 @@ fn attend_block<T: Element, KV: Element, S: InnerLoops>(
     let cap = inputs.softcap.map(|c| c * std::f32::consts::LOG2_E);
     // Every row sees the keys from the last token's first to the first token's last.
     let seen_by_all =
-        task.causal.keys(task.tokens.end - 1).start..task.causal.keys(task.tokens.start).end;
+        task.visible.keys(task.tokens.end - 1).start..task.visible.keys(task.tokens.start).end;
     for first in task.keys.clone().step_by(TILE_KEYS) {
         let keys = first..(first + TILE_KEYS).min(task.keys.end);
         let n = keys.len();
@@ -353,7 +362,7 @@ fn mask_unseen(
     let bounds = live_start.iter_mut().zip(live_end.iter_mut());
     for (row, (start, end)) in bounds.enumerate() {
         let seen = if row < real_rows {
-            task.causal.keys(task.tokens.start + row / group)
+            task.visible.keys(task.tokens.start + row / group)
         } else {
             0..0
         };

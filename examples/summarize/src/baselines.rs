@@ -4,7 +4,10 @@
 //! [`textrank`] and [`lexrank`]). Each takes sentences in its order of preference until they
 //! reach the word count asked for, and returns them in document order.
 
-use super::centrality::{cosine, lexrank, terms, textrank, tfidf_vectors};
+use std::collections::HashMap;
+
+use super::centrality::{lexrank, terms, textrank};
+use super::contract::is_cjk;
 use super::sentences::{sentences, words_in};
 
 /// Sentences of this many words or fewer (headings, list markers) are not candidates.
@@ -44,17 +47,15 @@ impl Baseline {
     /// [`words_in`]) where the document has them: whole sentences, in document order.
     pub fn summarize(self, document: &str, words: usize) -> String {
         let candidates = candidate_sentences(document);
-        let terms: Vec<Vec<String>> = candidates.iter().map(|s| terms(s)).collect();
+        let plain: Vec<Vec<String>> = candidates.iter().map(|s| plain_words(s)).collect();
         let scores: Vec<f64> = match self {
             // Earlier first.
             Baseline::Lead => (0..candidates.len()).map(|i| -(i as f64)).collect(),
-            Baseline::Centroid => {
-                let vectors = tfidf_vectors(&terms);
-                let centroid = mean_vector(&vectors);
-                vectors.iter().map(|v| cosine(v, &centroid)).collect()
+            Baseline::Centroid => centroid_scores(&plain),
+            Baseline::TextRank => {
+                textrank(&candidates.iter().map(|s| terms(s)).collect::<Vec<_>>())
             }
-            Baseline::TextRank => textrank(&terms),
-            Baseline::LexRank => lexrank(&terms, Some(LEXRANK_THRESHOLD)),
+            Baseline::LexRank => lexrank(&plain, Some(LEXRANK_THRESHOLD)),
         };
         let mut order: Vec<usize> = (0..candidates.len()).collect();
         // Stable: equal scores keep document order.
@@ -95,19 +96,57 @@ pub fn candidate_sentences(document: &str) -> Vec<String> {
         .collect()
 }
 
-/// The sum of `vectors`, scaled to length 1, sorted by term.
-fn mean_vector(vectors: &[Vec<(usize, f64)>]) -> Vec<(usize, f64)> {
-    let mut sum: std::collections::BTreeMap<usize, f64> = std::collections::BTreeMap::new();
-    for (term, weight) in vectors.iter().flatten() {
-        *sum.entry(*term).or_insert(0.0) += weight;
+/// Words as the reference implementations of the centroid and LexRank baselines count them:
+/// lowercase, not stemmed, function words left out; a character of a script written without
+/// spaces is a word of its own.
+fn plain_words(sentence: &str) -> Vec<String> {
+    sentence
+        .split(|c: char| !c.is_alphanumeric() || is_cjk(c))
+        .chain(sentence.matches(is_cjk))
+        .map(str::to_lowercase)
+        .filter(|w| !w.is_empty() && !crate::contract::is_function_word(w))
+        .collect()
+}
+
+/// The cosine of each sentence's TF-IDF vector (raw term counts times the log of the inverse
+/// sentence frequency) with the sum of all of them.
+fn centroid_scores(sentences: &[Vec<String>]) -> Vec<f64> {
+    let n = sentences.len() as f64;
+    let mut frequency: HashMap<&str, f64> = HashMap::new();
+    for sentence in sentences {
+        let mut seen: Vec<&str> = sentence.iter().map(String::as_str).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for word in seen {
+            *frequency.entry(word).or_insert(0.0) += 1.0;
+        }
     }
-    let norm = sum
-        .values()
-        .map(|w| w * w)
-        .sum::<f64>()
-        .sqrt()
-        .max(f64::MIN_POSITIVE);
-    sum.into_iter().map(|(term, w)| (term, w / norm)).collect()
+    let vectors: Vec<HashMap<&str, f64>> = sentences
+        .iter()
+        .map(|sentence| {
+            let mut vector: HashMap<&str, f64> = HashMap::new();
+            for word in sentence {
+                *vector.entry(word).or_insert(0.0) += (n / frequency[word.as_str()]).ln();
+            }
+            vector
+        })
+        .collect();
+    let mut centroid: HashMap<&str, f64> = HashMap::new();
+    for (word, weight) in vectors.iter().flatten() {
+        *centroid.entry(word).or_insert(0.0) += weight;
+    }
+    let norm = |v: &HashMap<&str, f64>| v.values().map(|w| w * w).sum::<f64>().sqrt() + 1e-9;
+    let centroid_norm = norm(&centroid);
+    vectors
+        .iter()
+        .map(|v| {
+            let dot: f64 = v
+                .iter()
+                .map(|(w, x)| x * centroid.get(w).unwrap_or(&0.0))
+                .sum();
+            dot / (norm(v) * centroid_norm)
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -134,13 +173,7 @@ mod tests {
             Baseline::Lead.summarize(DOCUMENT, 10),
             "A short anecdote about a dog on a beach one morning."
         );
-        // The graph methods pass the anecdote over.
-        for baseline in [Baseline::Centroid, Baseline::TextRank, Baseline::LexRank] {
-            assert!(
-                !baseline.summarize(DOCUMENT, 10).contains("dog"),
-                "{}",
-                baseline.name()
-            );
-        }
+        // TextRank passes the anecdote over.
+        assert!(!Baseline::TextRank.summarize(DOCUMENT, 10).contains("dog"));
     }
 }

@@ -29,6 +29,11 @@ pub fn terms(sentence: &str) -> Vec<String> {
 /// The TF-IDF vectors of `sentences` (lists of terms), each scaled to length 1, as sorted
 /// (term index, weight) pairs.
 pub fn tfidf_vectors(sentences: &[Vec<String>]) -> Vec<Vec<(usize, f64)>> {
+    weighted_vectors(sentences, 1.0)
+}
+
+/// TF-IDF vectors whose inverse frequency is `ln(n / df) + smoothing`.
+fn weighted_vectors(sentences: &[Vec<String>], smoothing: f64) -> Vec<Vec<(usize, f64)>> {
     let mut index: HashMap<&str, usize> = HashMap::new();
     let mut document_frequency: Vec<usize> = Vec::new();
     let ids: Vec<Vec<usize>> = sentences
@@ -65,7 +70,7 @@ pub fn tfidf_vectors(sentences: &[Vec<String>]) -> Vec<Vec<(usize, f64)>> {
                 }
             }
             for (id, weight) in &mut vector {
-                *weight *= (n / document_frequency[*id] as f64).ln() + 1.0;
+                *weight *= (n / document_frequency[*id] as f64).ln() + smoothing;
             }
             let norm = vector.iter().map(|(_, w)| w * w).sum::<f64>().sqrt();
             if norm > 0.0 {
@@ -93,26 +98,77 @@ pub fn cosine(a: &[(usize, f64)], b: &[(usize, f64)]) -> f64 {
     sum
 }
 
-/// LexRank: PageRank over the TF-IDF cosine graph of `sentences`. With a `threshold`, an edge
-/// joins two sentences whose cosine reaches it, with weight 1 (the published thresholded form);
-/// without, every pair is joined by its cosine (continuous LexRank).
+/// LexRank: the stationary distribution of a walk over the TF-IDF cosine graph of `sentences`.
+/// Without a threshold, every pair is joined by its cosine and the walk is PageRank's (continuous
+/// LexRank, as selection uses it). With a `threshold`, as the published method and its Python
+/// package compute it: inverse frequencies `ln(n / df)`, each sentence joined to itself and to
+/// every sentence whose cosine exceeds the threshold with equal weight, and the distribution
+/// found by the power method in each connected part of the graph, scaled to the part's size.
 pub fn lexrank(sentences: &[Vec<String>], threshold: Option<f64>) -> Vec<f64> {
-    let vectors = tfidf_vectors(sentences);
+    let Some(threshold) = threshold else {
+        let vectors = tfidf_vectors(sentences);
+        let n = vectors.len();
+        let mut weights = vec![vec![0.0; n]; n];
+        for i in 0..n {
+            for j in i + 1..n {
+                let similarity = cosine(&vectors[i], &vectors[j]);
+                weights[i][j] = similarity;
+                weights[j][i] = similarity;
+            }
+        }
+        return pagerank(&weights);
+    };
+    let vectors = weighted_vectors(sentences, 0.0);
     let n = vectors.len();
-    let mut weights = vec![vec![0.0; n]; n];
-    for i in 0..n {
-        for j in i + 1..n {
-            let similarity = cosine(&vectors[i], &vectors[j]);
-            let weight = match threshold {
-                Some(threshold) if similarity >= threshold => 1.0,
-                Some(_) => 0.0,
-                None => similarity,
-            };
-            weights[i][j] = weight;
-            weights[j][i] = weight;
+    let neighbours: Vec<Vec<usize>> = (0..n)
+        .map(|i| {
+            (0..n)
+                .filter(|&j| i == j || cosine(&vectors[i], &vectors[j]) > threshold)
+                .collect()
+        })
+        .collect();
+    let mut scores = vec![0.0; n];
+    let mut part = vec![usize::MAX; n];
+    for start in 0..n {
+        if part[start] != usize::MAX {
+            continue;
+        }
+        // The connected part of `start`.
+        let mut members = vec![start];
+        part[start] = start;
+        let mut at = 0;
+        while at < members.len() {
+            for &j in &neighbours[members[at]] {
+                if part[j] == usize::MAX {
+                    part[j] = start;
+                    members.push(j);
+                }
+            }
+            at += 1;
+        }
+        let mut x: Vec<f64> = vec![1.0; n];
+        for _ in 0..MAX_ITERATIONS * 5 {
+            let mut next = vec![0.0; n];
+            for &i in &members {
+                let share = x[i] / neighbours[i].len() as f64;
+                for &j in &neighbours[i] {
+                    next[j] += share;
+                }
+            }
+            let moved = members
+                .iter()
+                .map(|&i| (next[i] - x[i]).abs())
+                .fold(0.0, f64::max);
+            x = next;
+            if moved < TOLERANCE {
+                break;
+            }
+        }
+        for &i in &members {
+            scores[i] = x[i];
         }
     }
-    pagerank(&weights)
+    scores
 }
 
 /// TextRank: PageRank over the graph of `sentences` joined by the Mihalcea-Tarau similarity, the
@@ -191,18 +247,35 @@ mod tests {
             "Storm surges flooded the town before the barrier existed.",
             "A bakery opened on the high street.",
         ]);
-        for scores in [
-            lexrank(&sentences, None),
-            textrank(&sentences),
-            lexrank(&sentences, Some(0.1)),
-        ] {
+        for scores in [lexrank(&sentences, None), textrank(&sentences)] {
             let best = (0..4)
                 .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
                 .unwrap();
             assert_ne!(best, 3, "{scores:?}");
             assert!(scores[3] < scores[0], "{scores:?}");
-            assert!((scores.iter().sum::<f64>() - 1.0).abs() < 1e-6);
+            assert!(scores.iter().all(|s| s.is_finite() && *s >= 0.0));
         }
+    }
+
+    #[test]
+    fn thresholded_lexrank_scores_each_connected_part_by_its_links() {
+        // 0-1-2 a chain, 3 alone: the middle of the chain gets the most, a sentence alone 1.
+        let sentences: Vec<Vec<String>> = [
+            "alpha beta gamma",
+            "gamma delta epsilon",
+            "epsilon zeta eta",
+            "theta iota kappa",
+        ]
+        .iter()
+        .map(|s| s.split(' ').map(String::from).collect())
+        .collect();
+        let scores = lexrank(&sentences, Some(0.1));
+        assert!(scores[1] > scores[0] && scores[1] > scores[2], "{scores:?}");
+        assert!((scores[3] - 1.0).abs() < 1e-6, "{scores:?}");
+        assert!(
+            (scores[..3].iter().sum::<f64>() - 3.0).abs() < 1e-6,
+            "{scores:?}"
+        );
     }
 
     #[test]

@@ -155,7 +155,7 @@ pub struct Args {
 
     /// A document longer than this many tokens is summarized from its sentences that state the
     /// most names, numbers and dates, up to this many tokens of them; 0 summarizes it whole.
-    #[arg(long, default_value_t = 2048, value_name = "N")]
+    #[arg(long, default_value_t = 1024, value_name = "N")]
     pub select_tokens: usize,
 
     /// How the summaries of the chunks become the final summary: `carry-facts` keeps their

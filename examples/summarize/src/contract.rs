@@ -268,6 +268,11 @@ fn tokens(sentence: &str) -> Vec<Token> {
     found
 }
 
+/// Whether a lowercase word is one a rewrite may add or drop (see [`FUNCTION_WORDS`]).
+pub(crate) fn is_function_word(word: &str) -> bool {
+    FUNCTION_WORDS.contains(&word)
+}
+
 /// The stem of a lowercase word, `None` for a function word: its possessive and a plural `s`
 /// dropped, then its first [`STEM_CHARS`] letters.
 fn stem(word: &str) -> Option<String> {

@@ -1,8 +1,9 @@
 //! The building blocks of a long-document summarizer: checking that the input is text, selecting
-//! the sentences that state the most names, numbers and dates, cutting it into chunks that fit
-//! the model's context, prompting in the model's chat format, reducing the summaries of the
-//! chunks to one (map-reduce), and dropping sentences that state a number or a name the text
-//! does not contain (grounding).
+//! its most salient sentences (LexRank centrality, new names and numbers, sections, overview),
+//! cutting them into chunks that fit the model's context, prompting in the model's chat format,
+//! reducing the answers to one summary (map-reduce), and checking every sentence written against
+//! the document under the rewrite contract ([`RewriteContract`]); also the extractive baselines
+//! a summary is measured against ([`Baseline`]).
 //!
 //! [`MapReduce`] plans the generations and the caller runs them, on any model:
 //!
@@ -12,10 +13,10 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # let (tokenizer, bytes) = (tokenizers::Tokenizer::from_file("tokenizer.json")?, vec![]);
 //! let document = decode_text("notes.txt", bytes)?;
-//! // The summarizer's defaults: chunks of 64 tokens from the 2,048 tokens of sentences with the
-//! // most facts, a summary of up to 400 tokens carried from their summaries' fact sentences.
+//! // The summarizer's defaults: chunks of 64 tokens from the 1,024 tokens of the most salient
+//! // sentences, a summary of up to 400 tokens carried from them as the model compressed them.
 //! let mut plan = MapReduce::new(&tokenizer, ChatTemplate::chatml(), 8192, 64, 400)?
-//!     .with_selection(Some(2048))
+//!     .with_selection(Some(1024))
 //!     .with_reduce(Reduce::CarryFacts)
 //!     .with_grounding(true);
 //! let mut round = plan.start(&document)?;

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod contract_property;
 mod default_model_template;
 mod summarize_cli;
 mod summary_facts;

@@ -143,7 +143,8 @@ fn candidates(text: &str, token_starts: &[usize]) -> Vec<Candidate> {
             overview = OVERVIEW_HEADINGS.iter().any(|h| heading.contains(h));
             continue;
         }
-        let sentence = without_stray_quotes(raw);
+        // A sentence wrapped over several lines reads as one line.
+        let sentence = without_stray_quotes(&raw.split_whitespace().collect::<Vec<_>>().join(" "));
         let statement = sentence.ends_with(STATEMENT_ENDS)
             && opens_with_capital(&sentence)
             && !is_definition(&sentence)

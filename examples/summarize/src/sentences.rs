@@ -7,9 +7,9 @@ use std::ops::Range;
 const CLOSERS: [char; 5] = ['"', '\u{201d}', '\u{2019}', ')', ']'];
 
 /// The sentences of `text`, in order: each ends after `.`, `!` or `?` followed by whitespace
-/// (with any closing quotes and brackets between them), or at a line break, and keeps the
-/// whitespace after it, so that the pieces joined are the text. A decimal point (`4.2`) ends
-/// nothing, as no whitespace follows it.
+/// (with any closing quotes and brackets between them), or at a line break that ends a block
+/// (see [`line_break_ends_block`]), and keeps the whitespace after it, so that the pieces joined
+/// are the text. A decimal point (`4.2`) ends nothing, as no whitespace follows it.
 pub fn sentences(text: &str) -> Vec<&str> {
     sentence_spans(text)
         .into_iter()
@@ -23,7 +23,7 @@ pub(crate) fn sentence_spans(text: &str) -> Vec<Range<usize>> {
     let mut start = 0;
     let mut at = 0;
     while let Some(c) = text[at..].chars().next() {
-        let end = if c == '\n' {
+        let end = if c == '\n' && line_break_ends_block(text, at) {
             Some(at + 1)
         } else {
             sentence_end_at(text, at)
@@ -42,6 +42,30 @@ pub(crate) fn sentence_spans(text: &str) -> Vec<Range<usize>> {
         pieces.push(start..text.len());
     }
     pieces
+}
+
+/// Whether the line break at byte `at` of `text` ends a block (a paragraph, a heading, a list
+/// item, a table row) rather than wrapping a paragraph's text: plain text is often wrapped at
+/// about 72 columns, and a line of it is no sentence. A break wraps when both lines hold text
+/// and neither is a heading, list item, table row or quotation.
+fn line_break_ends_block(text: &str, at: usize) -> bool {
+    let before = text[..at].rsplit('\n').next().unwrap_or_default().trim();
+    let after = text[at + 1..].split('\n').next().unwrap_or_default().trim();
+    let opens_block = |line: &str| {
+        let marker = line.split_whitespace().next().unwrap_or_default();
+        line.starts_with(['#', '|', '>'])
+            || ["-", "*", "+", "\u{2022}"].contains(&marker)
+            || (marker.len() > 1
+                && marker.ends_with(['.', ')'])
+                && marker[..marker.len() - 1]
+                    .chars()
+                    .all(|c| c.is_ascii_digit()))
+    };
+    before.is_empty()
+        || after.is_empty()
+        || opens_block(after)
+        || before.starts_with(['#', '|'])
+        || before.ends_with('|')
 }
 
 /// Marks that end a sentence in scripts written without spaces between sentences (Chinese,
@@ -153,6 +177,28 @@ mod tests {
             ]
         );
         assert_eq!(pieces.concat(), text);
+    }
+
+    #[test]
+    fn a_wrapped_paragraph_is_cut_at_its_sentence_ends_only() {
+        let text = "  The licenses for most works are designed\nto take away your freedom.  By \
+            contrast,\nthe License is free.\n\n## Terms\nEach licensee is addressed\n- as you\n\
+            1. Definitions\n| a | b |\nLast line";
+        assert_eq!(
+            sentences(text),
+            [
+                "  The licenses for most works are designed\nto take away your freedom.  ",
+                "By contrast,\nthe License is free.\n\n",
+                "## Terms\n",
+                "Each licensee is addressed\n",
+                "- as you\n",
+                // A list number's stop ends a piece, as it always has.
+                "1. ",
+                "Definitions\n",
+                "| a | b |\n",
+                "Last line"
+            ]
+        );
     }
 
     #[test]

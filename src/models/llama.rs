@@ -11,6 +11,7 @@
 //! tokenizer.json, *.safetensors) or from a GGUF file (tokenizer and chat template from its
 //! metadata); see [`Llama::load`].
 
+mod attention_probe;
 mod config;
 #[cfg(feature = "cuda")]
 mod device_step;
@@ -37,6 +38,7 @@ pub use super::weight_form::{WeightChoice, WeightForm, WeightFormPolicy};
 /// summarizer imports it by; hidden from the docs, and to go once it imports the root's.
 #[doc(hidden)]
 pub use crate::nn::AttentionBackend;
+use attention_probe::{attention_weights, QueryRecord};
 pub use config::{Gemma2Extras, LlamaConfig, RopeScaling, SlidingWindow, WindowedLayers};
 use joined::{JoinedHead, JoinedLayer, LayerTensors};
 pub use rope::{RopeAngles, RopeLayout, RotaryEmbedding};
@@ -147,6 +149,8 @@ type LseRecord = RefCell<Vec<Tensor>>;
 enum Positions<'a> {
     Host(Rows<'a>),
     Recorded(&'a LseRecord),
+    /// After the lengths the host counts, each layer's queries recorded.
+    Probed(&'a QueryRecord),
     Device(&'a DeviceLengths),
 }
 
@@ -154,7 +158,7 @@ impl<'a> Positions<'a> {
     fn rows(self) -> Rows<'a> {
         match self {
             Positions::Host(rows) => rows,
-            Positions::Recorded(_) | Positions::Device(_) => Rows::BySize,
+            Positions::Recorded(_) | Positions::Probed(_) | Positions::Device(_) => Rows::BySize,
         }
     }
 }
@@ -206,6 +210,10 @@ impl<'a> LayerKv<'a> {
                     attention.forward(q, k, v, AttentionStep::new(cache).with_lse(&mut lse))?;
                 record.borrow_mut().extend(lse);
                 return Ok(out);
+            }
+            LayerKv::Own(cache, Positions::Probed(record)) => {
+                record.borrow_mut().push(q.clone());
+                AttentionStep::new(cache)
             }
             LayerKv::Own(cache, Positions::Device(lengths)) => AttentionStep::at(cache, lengths),
             LayerKv::Paged {
@@ -743,6 +751,47 @@ impl Llama {
             Vec::new()
         };
         Ok((logits_of_last(logits)?, lses))
+    }
+
+    /// Like [`Llama::forward`], also returning where `tokens` look: for each layer, in layer
+    /// order, the f32 attention weights `(q_heads, t, len)` of their queries over every position
+    /// of the cache after the pass (`len` positions, `tokens` the last `t` of them), with the
+    /// layer's scale, soft-capping, causal mask and window. Summed over a span of positions they
+    /// say how much each token attends to it: which sentences of a document an instruction after
+    /// it looks at. The pass runs as [`Llama::forward`] runs it (same logits and cache); the
+    /// weights are recomputed in f32 from each layer's queries and the cached keys, and take
+    /// `layers · q_heads · t · len` floats, so keep `tokens` short after a long cache.
+    pub fn forward_with_attention(&mut self, tokens: &[u32]) -> Result<(Tensor, Vec<Tensor>)> {
+        let layers = self.weights.layers.len();
+        let chunks = self.in_chunks(tokens, |model, chunk, last| {
+            let record = QueryRecord::default();
+            let x = model.hidden_states(chunk, Positions::Probed(&record))?;
+            let logits = last.then(|| model.last_logits(&x)).transpose()?;
+            Ok((logits, record.into_inner()))
+        })?;
+        let mut per_layer = vec![Vec::with_capacity(chunks.len()); layers];
+        let mut logits = Vec::with_capacity(1);
+        for (chunk_logits, queries) in chunks {
+            logits.push(chunk_logits);
+            if queries.len() != layers {
+                bail!(
+                    "model: {} of {layers} layers recorded their queries",
+                    queries.len()
+                );
+            }
+            for (layer, q) in per_layer.iter_mut().zip(queries) {
+                layer.push(q);
+            }
+        }
+        let weights = per_layer
+            .iter()
+            .zip(&self.caches)
+            .enumerate()
+            .map(|(index, (queries, cache))| {
+                attention_weights(&Tensor::cat(queries, 1)?, cache, &self.config, index)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((logits_of_last(logits)?, weights))
     }
 
     /// The f32 logits `(vocab,)` of the last of hidden states `(1, t, hidden)`.

@@ -6,6 +6,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod attention_probe;
 mod batched_llama;
 mod chunked_prefill;
 mod cpu_api;

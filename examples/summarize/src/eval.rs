@@ -1,5 +1,6 @@
-//! `summarize eval`: the summarizer scored on documents with planted facts, beside four
-//! extractive baselines held to the same word count, in one table.
+//! `summarize eval`: the summarizer scored on documents with planted facts, by default and with
+//! each use of the model added (its attention as salience, its rewrites), beside four extractive
+//! baselines held to the default summary's word count, in one table.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -14,7 +15,7 @@ use crate::generation::Generator;
 use crate::input::read_document;
 use crate::planted_facts::PlantedFacts;
 use crate::progress::Progress;
-use crate::summarizer::{Plan, Summarizer};
+use crate::summarizer::{Plan, Summarizer, Summary};
 
 /// A document with its planted facts, and the folder it is grouped by.
 struct Case {
@@ -30,14 +31,19 @@ struct Row {
     group: String,
     tokens: usize,
     planted: usize,
+    /// The default: selection by the text alone, whole sentences.
     ours: usize,
-    /// Ours with no model: the same selection, whole sentences.
-    no_model: usize,
+    /// With the model's attention salience in selection.
+    attention: usize,
+    /// With the model's rewrites of the selected sentences.
+    rewritten: usize,
     baselines: Vec<usize>,
     words: usize,
     violations: usize,
-    secs: f64,
-    extractive: bool,
+    /// Seconds taken by ours, with attention salience, with rewrites.
+    secs: [f64; 3],
+    /// Whether the model does not read the document (it is then neither rewritten nor read).
+    not_read: bool,
     raw: serde_json::Value,
 }
 
@@ -121,24 +127,24 @@ pub fn run(
         if !quiet {
             eprintln!("[{}/{}] {}/{}", i + 1, cases.len(), case.group, case.name);
         }
-        let mut progress = Progress::new(quiet);
-        let started = Instant::now();
-        let ours = Summarizer::new(generator, chat.clone(), plan).summarize(
-            &case.document,
-            &mut progress,
-            false,
-        )?;
-        let secs = started.elapsed().as_secs_f64();
-        progress.clear();
-        let no_model = Summarizer::new(
-            generator,
-            chat.clone(),
-            Plan {
-                extractive: true,
-                ..plan
-            },
-        )
-        .summarize(&case.document, &mut Progress::new(true), false)?;
+        // The default, then each use of the model added to it.
+        let mut variant = |extractive, attention_salience| -> Result<(Summary, f64)> {
+            let started = Instant::now();
+            let summary = Summarizer::new(
+                generator,
+                chat.clone(),
+                Plan {
+                    extractive,
+                    attention_salience,
+                    ..plan
+                },
+            )
+            .summarize(&case.document, &mut Progress::new(true), false)?;
+            Ok((summary, started.elapsed().as_secs_f64()))
+        };
+        let (ours, secs) = variant(true, false)?;
+        let (attention, attention_secs) = variant(true, true)?;
+        let (rewritten, rewrite_secs) = variant(false, false)?;
         let words = words_in(&ours.text);
         let score = |text: &str| case.facts.score(text, &case.document).recalled.len();
         let baseline_texts: Vec<String> = Baseline::ALL
@@ -151,18 +157,23 @@ pub fn run(
             tokens: ours.document_tokens,
             planted: case.facts.len(),
             ours: score(&ours.text),
-            no_model: score(&no_model.text),
+            attention: score(&attention.text),
+            rewritten: score(&rewritten.text),
             baselines: baseline_texts.iter().map(|t| score(t)).collect(),
             words,
-            violations: violations(&ours.text, &case.document),
-            secs,
-            extractive: ours.extractive.is_some(),
+            violations: [&ours, &attention, &rewritten]
+                .iter()
+                .map(|s| violations(&s.text, &case.document))
+                .sum(),
+            secs: [secs, attention_secs, rewrite_secs],
+            not_read: rewritten.extractive.is_some(),
             raw: json!({
                 "document": case.name,
                 "group": case.group,
                 "ours": ours.text,
                 "ours_missed": case.facts.score(&ours.text, &case.document).missed,
-                "no_model": no_model.text,
+                "attention_salience": attention.text,
+                "rewritten": rewritten.text,
                 "baselines": Baseline::ALL.iter().zip(&baseline_texts)
                     .map(|(b, t)| json!({"name": b.name(), "summary": t, "words": words_in(t)}))
                     .collect::<Vec<_>>(),
@@ -185,17 +196,24 @@ pub fn run(
 fn table_row(row: &Row) -> String {
     let baselines: Vec<String> = row.baselines.iter().map(usize::to_string).collect();
     format!(
-        "| {}{} | {} | {}/{} | {} | {} | {} | {} | {:.1} s |",
+        "| {}{} | {} | {}/{} | {} | {} | {} | {} | {} | {:.1} / {:.1} / {:.1} s |",
         row.name,
-        if row.extractive { " (extractive)" } else { "" },
+        if row.not_read {
+            " (not read by the model)"
+        } else {
+            ""
+        },
         row.tokens,
         row.ours,
         row.planted,
-        row.no_model,
+        row.attention,
+        row.rewritten,
         baselines.join(" | "),
         row.words,
         row.violations,
-        row.secs
+        row.secs[0],
+        row.secs[1],
+        row.secs[2]
     )
 }
 
@@ -211,12 +229,12 @@ fn table(rows: &[Row]) -> String {
         let _ = writeln!(out, "\n{group}\n");
         let _ = writeln!(
             out,
-            "| document | tokens | ours | ours, no model | {} | words | violations | time |",
+            "| document | tokens | ours | + attention salience | + model rewrites | {} | words | violations | time (ours / + attention / + rewrites) |",
             names.join(" | ")
         );
         let _ = writeln!(
             out,
-            "|---|---|---|---|{}---|---|---|",
+            "|---|---|---|---|---|{}---|---|---|",
             "---|".repeat(names.len())
         );
         for row in &rows {
@@ -235,9 +253,10 @@ fn table(rows: &[Row]) -> String {
         let ours = mean(&|r: &Row| r.ours);
         let _ = writeln!(
             out,
-            "| mean recall | | {:.2} | {:.2} | {} | | {} | |",
+            "| mean recall | | {:.2} | {:.2} | {:.2} | {} | | {} | |",
             ours,
-            mean(&|r: &Row| r.no_model),
+            mean(&|r: &Row| r.attention),
+            mean(&|r: &Row| r.rewritten),
             baseline_means
                 .iter()
                 .map(|m| format!("{m:.2}"))

@@ -137,6 +137,22 @@ impl<'m> Generator<'m> {
         self.model.context_length()
     }
 
+    /// Per token of `text`, the attention `instruction` after it pays it (see
+    /// [`attention_mass`](crate::attention_salience::attention_mass)), read from an empty
+    /// cache, which is left empty.
+    pub fn attention_to(&mut self, text: &[u32], instruction: &[u32]) -> Result<Vec<f32>> {
+        self.model.reset();
+        let read = self
+            .model
+            .forward(text)
+            .and_then(|_| self.model.forward_with_attention(instruction));
+        self.model.reset();
+        let (_, weights) = read.context("reading the document for attention")?;
+        let mut mass = crate::attention_salience::attention_mass(&weights, instruction.len())?;
+        mass.truncate(text.len());
+        Ok(mass)
+    }
+
     /// Whether single generations draft tokens by prompt lookup.
     pub fn speculates(&self) -> bool {
         self.settings.speculate > 0

@@ -9,6 +9,7 @@
 
 // These three are shared with the attention crate's examples (`lse_heatmap` reads the same
 // default model).
+mod attention_salience;
 #[path = "../../common/bad_input.rs"]
 mod bad_input;
 mod cli;
@@ -152,7 +153,8 @@ fn run(args: &Args) -> Result<()> {
         max_new_tokens: args.max_new_tokens,
         select_tokens: (args.select_tokens > 0).then_some(args.select_tokens),
         reduce: args.reduce.reduce(),
-        extractive: args.extractive,
+        extractive: !args.rewrite,
+        attention_salience: args.salience == cli::SalienceArg::Attention,
         english_only: args.model.is_none() && args.model_id.is_none(),
         batch: args.batch,
     };

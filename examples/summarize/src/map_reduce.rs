@@ -10,6 +10,7 @@ use tokenizers::Tokenizer;
 use super::budgets::Budgets;
 use super::chunking::{split_into_chunks, token_starts};
 use super::contract::RewriteContract;
+use super::model_salience::ModelSalience;
 use super::prompts::{encode_prompt, prompt_overhead, Task};
 use super::quotation_frames::unframe_quotations;
 use super::salience::{rank_salient_sentences, select_salient_sentences, Picked};
@@ -107,6 +108,8 @@ pub struct MapReduce<'t> {
     /// The most salient sentences of the document, up to the final summary's limit: the summary
     /// where checking leaves nothing of the model's.
     fallback: String,
+    /// A salience of the document's sentences from outside its text, weighed in selection.
+    model_salience: Option<ModelSalience>,
 }
 
 impl<'t> MapReduce<'t> {
@@ -144,6 +147,7 @@ impl<'t> MapReduce<'t> {
             chunk_sentences: Vec::new(),
             extractive: false,
             fallback: String::new(),
+            model_salience: None,
         })
     }
 
@@ -171,6 +175,14 @@ impl<'t> MapReduce<'t> {
         self
     }
 
+    /// Weighs `salience` (a model's, of the document given to [`start`](Self::start)) in
+    /// selecting its sentences, which are then picked among those it scores; `None` (the
+    /// default) selects by the text alone.
+    pub fn with_model_salience(mut self, salience: Option<ModelSalience>) -> Self {
+        self.model_salience = salience;
+        self
+    }
+
     /// Whether to check each sentence of an answer against the document (see [`Grounding`]):
     /// one that states a number or a name the document does not contain is dropped, one that
     /// breaks the rewrite contract gives way to the document's sentence; off by default.
@@ -193,8 +205,13 @@ impl<'t> MapReduce<'t> {
         self.grounding = self.ground.then(|| Grounding::new(document));
         self.selected.clear();
         self.chunk_sentences.clear();
-        self.fallback =
-            select_salient_sentences(document, &starts, self.budgets.final_summary).join(" ");
+        self.fallback = select_salient_sentences(
+            document,
+            &starts,
+            self.budgets.final_summary,
+            self.model_salience.as_ref(),
+        )
+        .join(" ");
         if self.extractive {
             if self.fallback.is_empty() {
                 return Err(SummarizeError::NothingToSelect);
@@ -209,7 +226,8 @@ impl<'t> MapReduce<'t> {
         let selection: String;
         let (text, starts) = match self.selection_budget {
             Some(budget) if starts.len() > budget => {
-                self.selected = rank_salient_sentences(document, &starts, budget);
+                self.selected =
+                    rank_salient_sentences(document, &starts, budget, self.model_salience.as_ref());
                 if self.selected.is_empty() {
                     (document, starts)
                 } else {
@@ -294,7 +312,8 @@ impl<'t> MapReduce<'t> {
         let joined = summaries.join("\n\n");
         let starts = token_starts(self.tokenizer, &joined)?;
         if self.reduce == Reduce::CarryFacts {
-            let picked = select_salient_sentences(&joined, &starts, self.budgets.final_summary);
+            let picked =
+                select_salient_sentences(&joined, &starts, self.budgets.final_summary, None);
             if !picked.is_empty() {
                 return Ok(Round::Done {
                     summary: picked.join(" "),

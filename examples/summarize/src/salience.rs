@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use super::centrality::{cosine, lexrank, terms, tfidf_vectors};
 use super::mentions::{mentions, Mention};
+use super::model_salience::ModelSalience;
 use super::pronoun_subjects::opens_with_pronoun;
 use super::sentences::{is_definition, opens_with_capital, sentence_spans, words_in};
 use super::stray_quotes::without_stray_quotes;
@@ -37,6 +38,10 @@ const OVERVIEW_WEIGHT: f64 = 1.5;
 
 /// How fast a section's weight falls with the sentences already picked from it.
 const SECTION_DECAY: f64 = 0.5;
+
+/// How much a sentence's model salience (1 on average over the scored sentences) weighs against
+/// one new fact.
+const MODEL_WEIGHT: f64 = 0.3;
 
 /// How much likeness to a sentence already picked takes off (maximal marginal relevance).
 const REDUNDANCY_WEIGHT: f64 = 0.7;
@@ -112,6 +117,8 @@ struct Candidate {
     overview: bool,
     facts: Vec<Fact>,
     centrality: f64,
+    /// The model's salience of the sentence over its mean, 0 without one.
+    model: f64,
 }
 
 /// A picked sentence.
@@ -126,8 +133,9 @@ pub(crate) struct Picked {
 }
 
 /// The sentences of `text` that may stand in a summary, with the section each is in and
-/// whether that section is the document's overview.
-fn candidates(text: &str, token_starts: &[usize]) -> Vec<Candidate> {
+/// whether that section is the document's overview; with a model's salience, only the sentences
+/// it scores.
+fn candidates(text: &str, token_starts: &[usize], model: Option<&ModelSalience>) -> Vec<Candidate> {
     let tokens_in = |span: &Range<usize>| {
         token_starts.partition_point(|&start| start < span.end)
             - token_starts.partition_point(|&start| start < span.start)
@@ -159,6 +167,7 @@ fn candidates(text: &str, token_starts: &[usize]) -> Vec<Candidate> {
                 overview,
                 facts: facts_of(&sentence),
                 centrality: 0.0,
+                model: 0.0,
                 text: sentence,
             });
         }
@@ -169,6 +178,18 @@ fn candidates(text: &str, token_starts: &[usize]) -> Vec<Candidate> {
     for (candidate, score) in found.iter_mut().zip(scores) {
         candidate.centrality = score / mean;
     }
+    // Centrality is the whole document's; the model's salience narrows the candidates after it.
+    if let Some(model) = model.filter(|m| !m.is_empty()) {
+        found.retain(|c| model.score(c.position).is_some());
+        let scores: Vec<f64> = found
+            .iter()
+            .filter_map(|c| model.score(c.position))
+            .collect();
+        let mean = scores.iter().sum::<f64>() / scores.len().max(1) as f64;
+        for (candidate, score) in found.iter_mut().zip(scores) {
+            candidate.model = score / mean;
+        }
+    }
     found
 }
 
@@ -176,15 +197,17 @@ fn candidates(text: &str, token_starts: &[usize]) -> Vec<Candidate> {
 /// `token_starts` holds the byte offset where each token of `text` starts (see
 /// [`token_starts`](super::chunking::token_starts)).
 ///
-/// Each pick is the sentence with the most weight per token: its centrality, plus the names and
-/// numbers it states that no picked sentence states, times its section's weight (more for the overview, less for each sentence
-/// picked there), less its likeness to the sentences picked.
+/// Each pick is the sentence with the most weight per token: its centrality and its `model`
+/// salience (where given, among the sentences it scores only), plus the names and numbers it
+/// states that no picked sentence states, times its section's weight (more for the overview,
+/// less for each sentence picked there), less its likeness to the sentences picked.
 pub(crate) fn rank_salient_sentences(
     text: &str,
     token_starts: &[usize],
     budget: usize,
+    model: Option<&ModelSalience>,
 ) -> Vec<Picked> {
-    let mut candidates = candidates(text, token_starts);
+    let mut candidates = candidates(text, token_starts, model);
     let vectors = tfidf_vectors(
         &candidates
             .iter()
@@ -208,11 +231,17 @@ pub(crate) fn rank_salient_sentences(
                     .filter(|fact| !covered.contains(fact))
                     .count() as f64;
                 let picks = section_picks.get(&c.section).copied().unwrap_or(0);
-                let section = if c.overview { OVERVIEW_WEIGHT } else { 1.0 }
-                    / (1.0 + SECTION_DECAY * picks as f64);
-                let weight = (CENTRALITY_WEIGHT * c.centrality + new_facts)
-                    * section
-                    * (1.0 - REDUNDANCY_WEIGHT * likeness[i]).max(0.0);
+                // The document's own overview is its author's summary: every sentence of it
+                // counts, however many were picked before it.
+                let section = if c.overview {
+                    OVERVIEW_WEIGHT
+                } else {
+                    1.0 / (1.0 + SECTION_DECAY * picks as f64)
+                };
+                let weight =
+                    (CENTRALITY_WEIGHT * c.centrality + MODEL_WEIGHT * c.model + new_facts)
+                        * section
+                        * (1.0 - REDUNDANCY_WEIGHT * likeness[i]).max(0.0);
                 (i, weight / c.tokens as f64)
             })
             .filter(|&(_, gain)| gain > 0.0)
@@ -246,8 +275,9 @@ pub(crate) fn select_salient_sentences(
     text: &str,
     token_starts: &[usize],
     budget: usize,
+    model: Option<&ModelSalience>,
 ) -> Vec<String> {
-    let mut picked = rank_salient_sentences(text, token_starts, budget);
+    let mut picked = rank_salient_sentences(text, token_starts, budget, model);
     picked.sort_unstable_by_key(|p| p.position);
     picked.into_iter().map(|p| p.text).collect()
 }
@@ -258,7 +288,7 @@ mod tests {
     use crate::test_tokenizer::word_starts;
 
     fn select(text: &str, budget: usize) -> Vec<String> {
-        select_salient_sentences(text, &word_starts(text), budget)
+        select_salient_sentences(text, &word_starts(text), budget, None)
     }
 
     #[test]
@@ -299,11 +329,32 @@ mod tests {
             ## Summary\n\nThe barrier protects the estuary towns from storm surges.\n\n\
             ## Design\n\nThe barrier closes against storm surges at high tide on the estuary. \
             Storm surges on the estuary have grown since the towns were built.";
-        let picked = rank_salient_sentences(text, &word_starts(text), 200);
+        let picked = rank_salient_sentences(text, &word_starts(text), 200, None);
         assert_eq!(
             picked[0].text,
             "The barrier protects the estuary towns from storm surges."
         );
         assert_eq!(picked.len(), 4);
+    }
+
+    #[test]
+    fn a_model_salience_narrows_the_candidates_and_weighs_in() {
+        let text = "The estuary barrier was built between the two river towns. \
+            The estuary barrier closes when the river towns expect a surge. \
+            The estuary barrier is inspected by the river towns every spring.";
+        let starts = word_starts(text);
+        let alone = rank_salient_sentences(text, &starts, 200, None);
+        assert_eq!(alone.len(), 3);
+        // The model scores the second and third only, the third far above the second.
+        let model = ModelSalience::new([(1, 1.0), (2, 30.0)]);
+        let picked = rank_salient_sentences(text, &starts, 200, Some(&model));
+        let positions: Vec<usize> = picked.iter().map(|p| p.position).collect();
+        assert_eq!(positions, [2, 1]);
+        // Scores of nothing leave selection to the text.
+        let empty = ModelSalience::new([]);
+        assert_eq!(
+            rank_salient_sentences(text, &starts, 200, Some(&empty)),
+            alone
+        );
     }
 }

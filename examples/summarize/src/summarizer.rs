@@ -2,12 +2,15 @@
 //! this runs the generations, shows their progress and streams the final summary.
 
 use std::io::Write;
+use std::time::Instant;
 
 use anyhow::{anyhow, Context, Result};
 use summarize::{
-    reads_as_english, ChatTemplate, Grounding, MapReduce, Reduce, Round, SummarizeError,
+    reads_as_english, ChatTemplate, Grounding, MapReduce, ModelSalience, Reduce, Round,
+    SummarizeError,
 };
 
+use crate::attention_salience::attention_salience;
 use crate::bad_input::BadInput;
 use crate::generation::{
     BatchObserver, Generation, GenerationObserver, Generator, Request, Timing,
@@ -41,8 +44,8 @@ pub struct Summary {
 /// Why a summary is extractive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Extractive {
-    /// `--extractive`.
-    Asked,
+    /// The default: the model rewrites only with `--rewrite`.
+    Default,
     /// The model reads English and the document is in another language.
     LanguageNotRead,
 }
@@ -50,7 +53,7 @@ pub enum Extractive {
 impl Extractive {
     pub fn reason(self) -> &'static str {
         match self {
-            Extractive::Asked => "asked for",
+            Extractive::Default => "the default; --rewrite has the model compress them",
             Extractive::LanguageNotRead => "the model does not read the document's language",
         }
     }
@@ -68,6 +71,9 @@ pub struct Plan {
     pub reduce: Reduce,
     /// Summarize every document from its own sentences, with no generation.
     pub extractive: bool,
+    /// Weigh the attention the model pays each sentence in selecting them (see
+    /// [`attention_salience`]), where the model reads the document.
+    pub attention_salience: bool,
     /// Whether the model reads English only (the default model): a document in another language
     /// is then summarized from its own sentences.
     pub english_only: bool,
@@ -82,7 +88,13 @@ pub struct Summarizer<'g, 'm> {
     plan: Plan,
     generations: usize,
     timing: Timing,
+    /// Seconds spent reading the model's salience of the documents.
+    salience_secs: f64,
 }
+
+/// Tokens of the sentences the text ranks first that the model reads for its salience: about
+/// twice what selection keeps, few enough to read in seconds on a CPU.
+const ATTENTION_POOL_TOKENS: usize = 2048;
 
 impl<'g, 'm> Summarizer<'g, 'm> {
     pub fn new(generator: &'g mut Generator<'m>, chat: ChatTemplate, plan: Plan) -> Self {
@@ -92,23 +104,40 @@ impl<'g, 'm> Summarizer<'g, 'm> {
             plan,
             generations: 0,
             timing: Timing::default(),
+            salience_secs: 0.0,
         }
     }
 
     /// Why `document` is summarized from its own sentences, if it is.
     fn extractive(&self, document: &str) -> Option<Extractive> {
-        if self.plan.extractive {
-            Some(Extractive::Asked)
-        } else if self.plan.english_only && !reads_as_english(document) {
+        if self.plan.english_only && !reads_as_english(document) {
             Some(Extractive::LanguageNotRead)
+        } else if self.plan.extractive {
+            Some(Extractive::Default)
         } else {
             None
         }
     }
 
+    /// The model's salience of `document`'s sentences, where the plan asks for it and the model
+    /// reads the document.
+    fn model_salience(
+        &mut self,
+        document: &str,
+        extractive: Option<Extractive>,
+    ) -> Result<Option<ModelSalience>> {
+        if !self.plan.attention_salience || extractive == Some(Extractive::LanguageNotRead) {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let salience = attention_salience(self.generator, document, ATTENTION_POOL_TOKENS)?;
+        self.salience_secs += started.elapsed().as_secs_f64();
+        Ok(Some(salience))
+    }
+
     /// The planner of one document. Every answer is checked against the document: the rewrite
     /// contract, and the names and numbers it states.
-    fn planner(&self, extractive: bool) -> Result<MapReduce<'m>> {
+    fn planner(&self, extractive: bool, salience: Option<ModelSalience>) -> Result<MapReduce<'m>> {
         Ok(MapReduce::new(
             self.generator.tokenizer(),
             self.chat.clone(),
@@ -120,6 +149,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         .with_selection(self.plan.select_tokens)
         .with_reduce(self.plan.reduce)
         .with_extractive(extractive)
+        .with_model_salience(salience)
         .with_grounding(true))
     }
 
@@ -131,7 +161,8 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         stream: bool,
     ) -> Result<Summary> {
         let extractive = self.extractive(document);
-        let mut plan = self.planner(extractive.is_some())?;
+        let salience = self.model_salience(document, extractive)?;
+        let mut plan = self.planner(extractive.is_some(), salience)?;
         let mut round = plan.start(document).map_err(in_option_terms)?;
         let text = loop {
             let next = match round {
@@ -279,7 +310,8 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         let mut runs = Vec::with_capacity(documents.len());
         for document in documents {
             let extractive = self.extractive(document);
-            let mut plan = self.planner(extractive.is_some())?;
+            let salience = self.model_salience(document, extractive)?;
+            let mut plan = self.planner(extractive.is_some(), salience)?;
             let round = plan.start(document).map_err(in_option_terms)?;
             runs.push(DocumentRun {
                 plan,
@@ -482,7 +514,8 @@ fn in_option_terms(error: SummarizeError) -> anyhow::Error {
              try a larger --chunk-tokens or a smaller --max-new-tokens"
         ),
         SummarizeError::NothingToSelect => BadInput(format!(
-            "{}; --extractive and a document not in English need such sentences",
+            "{}; a summary of whole sentences (the default, and any document the model does \
+             not read) needs such sentences",
             SummarizeError::NothingToSelect
         ))
         .into(),

@@ -57,6 +57,12 @@ fn every_sentence_keeps_the_contract_and_every_splice_breaks_it() {
             let joint = if pair[0].contains(' ') { " " } else { "" };
             let (head, tail) = (a[..a.len() / 2].join(joint), b[b.len() / 2..].join(joint));
             let splice = format!("{head}{joint}{tail}");
+            // Two sentences that open alike (list items of a licence: "The work must carry
+            // prominent notices stating ...") splice into a compression of the second, which the
+            // contract allows.
+            if RewriteContract::new(pair[1]).holds(&splice) {
+                continue;
+            }
             assert!(!contract.holds(&splice), "{}: {splice}", path.display());
             splices += 1;
         }

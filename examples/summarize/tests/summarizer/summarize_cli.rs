@@ -34,7 +34,7 @@ fn summarize(args: &[&str]) -> Output {
 /// and stderr. The form is fixed because the measured choice depends on the machine's load, and
 /// the forms round differently enough to change a greedy summary (and what of it is grounded).
 fn summarize_ok(args: &[&str]) -> (String, String) {
-    let output = summarize(&[args, &["--weight-form", "q8-0"]].concat());
+    let output = summarize(&[args, &["--weight-form", "q8-0", "--rewrite"]].concat());
     let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
     assert!(
         output.status.success(),
@@ -253,7 +253,13 @@ fn fp8_kv_cache_summarizes_and_reports_its_dtype() {
     std::fs::write(&document, SHORT_DOCUMENT).unwrap();
     // Where the rewrite contract leaves nothing of the model's answer, the summary is the
     // text's own sentences: there is always one.
-    let output = summarize(&[document.to_str().unwrap(), "--json", "--kv-dtype", "fp8"]);
+    let output = summarize(&[
+        document.to_str().unwrap(),
+        "--json",
+        "--kv-dtype",
+        "fp8",
+        "--rewrite",
+    ]);
     let stderr = text(&output.stderr);
     assert!(
         output.status.success(),
@@ -293,6 +299,7 @@ fn speculation_keeps_the_greedy_summary() {
             "q8-0",
             "--speculate",
             speculate,
+            "--rewrite",
         ]);
         let stderr = text(&output.stderr);
         assert!(
@@ -333,9 +340,49 @@ fn speculation_keeps_the_greedy_summary() {
 }
 
 #[test]
+fn by_default_a_long_document_is_summarized_by_its_own_sentences() {
+    let _one_at_a_time = common::one_model_run_at_a_time();
+    let document = sample_document();
+    let output = summarize(&[document.to_str().unwrap(), "--json", "--quiet"]);
+    let stderr = text(&output.stderr);
+    assert!(
+        output.status.success(),
+        "exit {:?}: {stderr}",
+        output.status.code()
+    );
+    let report: Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(&output.stdout)));
+    let stats = &report["stats"];
+    assert_eq!(stats["generations"], 0, "{stats}");
+    assert!(
+        stats["extractive"]
+            .as_str()
+            .is_some_and(|why| why.contains("--rewrite")),
+        "{stats}"
+    );
+    // Whole sentences of the document, each as it stands there (its lines joined).
+    let source = std::fs::read_to_string(&document).unwrap();
+    let source = source.split_whitespace().collect::<Vec<_>>().join(" ");
+    let summary = report["summary"].as_str().expect("a summary string");
+    let sentences: Vec<&str> = summary.split(". ").collect();
+    assert!(sentences.len() >= 3, "summary: {summary:?}");
+    for sentence in sentences {
+        assert!(
+            source.contains(sentence.trim_end_matches('.')),
+            "not in the document: {sentence:?}"
+        );
+    }
+}
+
+#[test]
 fn long_document_is_summarized_in_several_chunks() {
     let _one_at_a_time = common::one_model_run_at_a_time();
-    let output = summarize(&[sample_document().to_str().unwrap(), "--json", "--quiet"]);
+    let output = summarize(&[
+        sample_document().to_str().unwrap(),
+        "--json",
+        "--quiet",
+        "--rewrite",
+    ]);
     let stderr = text(&output.stderr);
     assert!(
         output.status.success(),

@@ -66,18 +66,22 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
             why.reason()
         )
     });
+    // A summary of whole sentences generates nothing: no chunks or rates to report.
+    let generation = if summary.generations == 0 {
+        String::new()
+    } else {
+        format!(
+            " | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation}",
+            summary.chunks,
+            if summary.chunks == 1 { "" } else { "s" },
+            per_second(t.prefill_tokens, t.prefill_secs),
+            per_second(t.decode_tokens, t.decode_secs),
+        )
+    };
     format!(
-        "document {} tokens{selected}{extractive} | {} chunk{} | prefill {:.1} tok/s | decode {:.1} tok/s{speculation} | \
-         attention {} | kv {} | device {}{facts} | {:.1} s",
-        summary.document_tokens,
-        summary.chunks,
-        if summary.chunks == 1 { "" } else { "s" },
-        per_second(t.prefill_tokens, t.prefill_secs),
-        per_second(t.decode_tokens, t.decode_secs),
-        info.attention,
-        info.kv_dtype,
-        info.device,
-        info.elapsed_secs,
+        "document {} tokens{selected}{extractive}{generation} | attention {} | kv {} | device \
+         {}{facts} | {:.1} s",
+        summary.document_tokens, info.attention, info.kv_dtype, info.device, info.elapsed_secs,
     )
 }
 

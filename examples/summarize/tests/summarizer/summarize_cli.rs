@@ -354,6 +354,11 @@ fn by_default_a_long_document_is_summarized_by_its_own_sentences() {
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(&output.stdout)));
     let stats = &report["stats"];
     assert_eq!(stats["generations"], 0, "{stats}");
+    let line = summarize(&[document.to_str().unwrap(), "--weight-form", "q8-0"]);
+    let line = text(&line.stderr);
+    let line = line.lines().last().unwrap_or_default();
+    assert!(line.contains("extractive: whole sentences"), "{line:?}");
+    assert!(!line.contains("tok/s"), "no generation, no rates: {line:?}");
     assert!(
         stats["extractive"]
             .as_str()

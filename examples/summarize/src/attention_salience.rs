@@ -61,9 +61,46 @@ pub fn attention_salience(
         let sentence = starts.partition_point(|&s| s <= start).saturating_sub(1);
         scores[sentence] += f64::from(*weight);
     }
+    let scores = without_recency(&scores, &pool_tokens_of(&starts, encoding.get_offsets()));
     Ok(ModelSalience::new(
         pool.iter().map(|s| s.position).zip(scores),
     ))
+}
+
+/// Tokens of each sentence, by where each starts in the text.
+fn pool_tokens_of(starts: &[usize], offsets: &[(usize, usize)]) -> Vec<f64> {
+    let mut tokens = vec![0.0; starts.len()];
+    for &(start, _) in offsets {
+        let sentence = starts.partition_point(|&s| s <= start).saturating_sub(1);
+        tokens[sentence] += 1.0;
+    }
+    tokens
+}
+
+/// Sentences this many either side make the attention a sentence gets for its place alone.
+const RECENCY_WINDOW: usize = 5;
+
+/// The instruction attends most to the sentences nearest it (on the explainer, half its weight
+/// falls on the last tenth of them): each sentence's attention per token over the mean of its
+/// neighbours', times its tokens, so that what is left is its content, not its place.
+fn without_recency(scores: &[f64], tokens: &[f64]) -> Vec<f64> {
+    let density: Vec<f64> = scores
+        .iter()
+        .zip(tokens)
+        .map(|(s, t)| s / t.max(1.0))
+        .collect();
+    (0..density.len())
+        .map(|i| {
+            let near = &density
+                [i.saturating_sub(RECENCY_WINDOW)..(i + RECENCY_WINDOW + 1).min(density.len())];
+            let trend = near.iter().sum::<f64>() / near.len() as f64;
+            if trend > 0.0 {
+                density[i] / trend * tokens[i]
+            } else {
+                0.0
+            }
+        })
+        .collect()
 }
 
 /// Per position of the cache, the attention weight the last `queries` rows put on it, summed
@@ -91,6 +128,25 @@ pub fn attention_mass(weights: &[Tensor], queries: usize) -> Result<Vec<f32>> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn attention_that_grows_with_position_alone_is_taken_out() {
+        // Attention per token rising sentence by sentence says nothing of any of them; one
+        // sentence with three times its neighbours' stands out.
+        let tokens = [10.0; 12];
+        let rising: Vec<f64> = (0..12).map(|i| 10.0 * 1.1f64.powi(i)).collect();
+        let flat = without_recency(&rising, &tokens);
+        let spread = flat.iter().cloned().fold(0.0, f64::max)
+            - flat.iter().cloned().fold(f64::MAX, f64::min);
+        // Mostly: at the ends the neighbours lie on one side only.
+        let raw = rising[11] - rising[0];
+        assert!(spread < 0.3 * raw, "{flat:?}");
+        let mut peaked = vec![10.0; 12];
+        peaked[6] = 30.0;
+        let adjusted = without_recency(&peaked, &tokens);
+        assert!(adjusted[6] > 2.0 * adjusted[0], "{adjusted:?}");
+        assert_eq!(without_recency(&[0.0, 0.0], &[3.0, 4.0]), [0.0, 0.0]);
+    }
 
     #[test]
     fn mass_sums_heads_and_rows_and_averages_layers() {

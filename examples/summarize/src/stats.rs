@@ -66,6 +66,9 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
             why.reason()
         )
     });
+    let salience = summary.salience_secs.map_or(String::new(), |secs| {
+        format!(" | attention salience {secs:.1} s")
+    });
     // A summary of whole sentences generates nothing: no chunks or rates to report.
     let generation = if summary.generations == 0 {
         String::new()
@@ -79,8 +82,8 @@ pub fn stats_line(summary: &Summary, info: &RunInfo) -> String {
         )
     };
     format!(
-        "document {} tokens{selected}{extractive}{generation} | attention {} | kv {} | device \
-         {}{facts} | {:.1} s",
+        "document {} tokens{selected}{extractive}{salience}{generation} | attention {} | kv {} | \
+         device {}{facts} | {:.1} s",
         summary.document_tokens, info.attention, info.kv_dtype, info.device, info.elapsed_secs,
     )
 }
@@ -99,6 +102,7 @@ pub fn json_report(summary: &Summary, info: &RunInfo) -> Value {
             "dropped_sentences": summary.dropped_sentences,
             "replaced_sentences": summary.replaced_sentences,
             "extractive": summary.extractive.map(|why| why.reason()),
+            "attention_salience_seconds": summary.salience_secs,
             "generations": summary.generations,
             "prefill_tokens": t.prefill_tokens,
             "prefill_seconds": t.prefill_secs,

@@ -37,6 +37,8 @@ pub struct Summary {
     pub replaced_sentences: usize,
     /// Why the summary is made of whole sentences of the document with no generation, if it is.
     pub extractive: Option<Extractive>,
+    /// Seconds the model took to read the document for its attention salience, if it did.
+    pub salience_secs: Option<f64>,
     pub generations: usize,
     pub timing: Timing,
 }
@@ -88,8 +90,6 @@ pub struct Summarizer<'g, 'm> {
     plan: Plan,
     generations: usize,
     timing: Timing,
-    /// Seconds spent reading the model's salience of the documents.
-    salience_secs: f64,
 }
 
 /// Tokens of the sentences the text ranks first that the model reads for its salience: about
@@ -104,7 +104,6 @@ impl<'g, 'm> Summarizer<'g, 'm> {
             plan,
             generations: 0,
             timing: Timing::default(),
-            salience_secs: 0.0,
         }
     }
 
@@ -119,20 +118,19 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         }
     }
 
-    /// The model's salience of `document`'s sentences, where the plan asks for it and the model
-    /// reads the document.
+    /// The model's salience of `document`'s sentences and the seconds it took, where the plan
+    /// asks for it and the model reads the document.
     fn model_salience(
         &mut self,
         document: &str,
         extractive: Option<Extractive>,
-    ) -> Result<Option<ModelSalience>> {
+    ) -> Result<(Option<ModelSalience>, Option<f64>)> {
         if !self.plan.attention_salience || extractive == Some(Extractive::LanguageNotRead) {
-            return Ok(None);
+            return Ok((None, None));
         }
         let started = Instant::now();
         let salience = attention_salience(self.generator, document, ATTENTION_POOL_TOKENS)?;
-        self.salience_secs += started.elapsed().as_secs_f64();
-        Ok(Some(salience))
+        Ok((Some(salience), Some(started.elapsed().as_secs_f64())))
     }
 
     /// The planner of one document. Every answer is checked against the document: the rewrite
@@ -161,7 +159,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         stream: bool,
     ) -> Result<Summary> {
         let extractive = self.extractive(document);
-        let salience = self.model_salience(document, extractive)?;
+        let (salience, salience_secs) = self.model_salience(document, extractive)?;
         let mut plan = self.planner(extractive.is_some(), salience)?;
         let mut round = plan.start(document).map_err(in_option_terms)?;
         let text = loop {
@@ -214,6 +212,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
             dropped_sentences: plan.dropped_sentences(),
             replaced_sentences: plan.replaced_sentences(),
             extractive,
+            salience_secs,
             generations: self.generations,
             timing: self.timing,
         })
@@ -310,12 +309,13 @@ impl<'g, 'm> Summarizer<'g, 'm> {
         let mut runs = Vec::with_capacity(documents.len());
         for document in documents {
             let extractive = self.extractive(document);
-            let salience = self.model_salience(document, extractive)?;
+            let (salience, salience_secs) = self.model_salience(document, extractive)?;
             let mut plan = self.planner(extractive.is_some(), salience)?;
             let round = plan.start(document).map_err(in_option_terms)?;
             runs.push(DocumentRun {
                 plan,
                 extractive,
+                salience_secs,
                 round: Some(round),
                 generations: 0,
                 timing: Timing::default(),
@@ -393,6 +393,7 @@ impl<'g, 'm> Summarizer<'g, 'm> {
 struct DocumentRun<'t> {
     plan: MapReduce<'t>,
     extractive: Option<Extractive>,
+    salience_secs: Option<f64>,
     /// The round whose answers are being written; `None` once summarized.
     round: Option<Round>,
     generations: usize,
@@ -411,6 +412,7 @@ impl DocumentRun<'_> {
             dropped_sentences: self.plan.dropped_sentences(),
             replaced_sentences: self.plan.replaced_sentences(),
             extractive: self.extractive,
+            salience_secs: self.salience_secs,
             generations: self.generations,
             timing: self.timing,
         }

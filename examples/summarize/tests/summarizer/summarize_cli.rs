@@ -30,11 +30,16 @@ fn summarize(args: &[&str]) -> Output {
         .expect("the summarize binary starts")
 }
 
+/// [`summarize_ok_as`] with the model rewriting, as the tests of generation need.
+fn summarize_ok(args: &[&str]) -> (String, String) {
+    summarize_ok_as(&[args, &["--rewrite"]].concat())
+}
+
 /// Runs the summarizer with one weight form, asserts that it succeeded, and returns its stdout
 /// and stderr. The form is fixed because the measured choice depends on the machine's load, and
 /// the forms round differently enough to change a greedy summary (and what of it is grounded).
-fn summarize_ok(args: &[&str]) -> (String, String) {
-    let output = summarize(&[args, &["--weight-form", "q8-0", "--rewrite"]].concat());
+fn summarize_ok_as(args: &[&str]) -> (String, String) {
+    let output = summarize(&[args, &["--weight-form", "q8-0"]].concat());
     let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
     assert!(
         output.status.success(),
@@ -377,6 +382,39 @@ fn by_default_a_long_document_is_summarized_by_its_own_sentences() {
             "not in the document: {sentence:?}"
         );
     }
+}
+
+#[test]
+fn attention_salience_reads_the_document_and_picks_its_sentences() {
+    let _one_at_a_time = common::one_model_run_at_a_time();
+    let dir = scratch_dir("attention");
+    let document = dir.join("library.txt");
+    std::fs::write(&document, SHORT_DOCUMENT).unwrap();
+    let (stdout, _) = summarize_ok_as(&[
+        document.to_str().unwrap(),
+        "--json",
+        "--salience",
+        "attention",
+    ]);
+    let report: Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"));
+    let stats = &report["stats"];
+    assert!(
+        stats["attention_salience_seconds"]
+            .as_f64()
+            .is_some_and(|s| s > 0.0),
+        "{stats}"
+    );
+    assert_eq!(stats["generations"], 0, "{stats}");
+    let summary = report["summary"].as_str().expect("a summary string");
+    assert!(summary.split_whitespace().count() >= 5, "{summary:?}");
+    for sentence in summary.split(". ") {
+        assert!(
+            SHORT_DOCUMENT.contains(sentence.trim_end_matches('.')),
+            "not in the document: {sentence:?}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -204,10 +204,12 @@ pub struct Args {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Score the summarizer on documents with planted facts, against four extractive baselines
-    /// at the same word count (lead, TF-IDF centroid, TextRank, LexRank), and print one table.
-    /// Each document NAME.md or NAME.txt needs its facts in NAME.facts.json beside it; documents
-    /// are grouped by their folder. The model options before `eval` apply.
+    /// Score the summarizer on documents with planted facts (by default, with the model's
+    /// attention salience, and with its rewrites), against four extractive baselines at the
+    /// default summary's word count (lead, TF-IDF centroid, TextRank, LexRank), and print one
+    /// table. Each document NAME.md or NAME.txt needs its facts in NAME.facts.json beside it;
+    /// documents are grouped by their folder. The model options before `eval` apply, except
+    /// --rewrite, --extractive and --salience, which the three runs set.
     Eval {
         /// Documents, or folders of them (and of folders one level down).
         #[arg(required = true, value_name = "PATH")]

@@ -25,6 +25,9 @@ const KERNEL_DIR: &str = "kernels";
 const SPEC: &str = "kernels/kernels.toml";
 /// Set to 1 to build PTX without machine code (see the top of this file).
 const PTX_ONLY_VAR: &str = "CANDLE_SPLITKV_PTX_ONLY";
+/// Compute capabilities, comma-separated, to compile the kernels for as well, to PTX that is
+/// thrown away: one build checks that every target builds (CI).
+const CHECK_CAPS_VAR: &str = "CANDLE_SPLITKV_CHECK_COMPUTE_CAPS";
 /// The oldest target the kernels are written for.
 const MIN_COMPUTE_CAP: u32 = 80;
 
@@ -333,6 +336,7 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
         "CUDA_COMPUTE_CAP",
         "PATH",
         PTX_ONLY_VAR,
+        CHECK_CAPS_VAR,
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -350,8 +354,10 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
         .map_err(|_| format!("CUDA_COMPUTE_CAP {compute_cap:?} is not a number"))?;
     if cap < MIN_COMPUTE_CAP {
         return Err(format!(
-            "the kernels need compute capability {MIN_COMPUTE_CAP} or later (asynchronous copies, \
-             and shared-memory rings sized for it), the target is {cap}; set CUDA_COMPUTE_CAP"
+            "the kernels need compute capability {MIN_COMPUTE_CAP} or later (Ampere's \
+             asynchronous copies and tensor-core instructions), the target is {cap}; GPUs before \
+             Ampere (T4, V100) are not supported: build without the `cuda` feature and use the \
+             CPU, or set CUDA_COMPUTE_CAP to a later GPU's"
         ));
     }
 
@@ -365,22 +371,13 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
     let gen_dir = out_dir.join("kernels");
     fs::create_dir_all(&gen_dir).map_err(|e| format!("creating {}: {e}", gen_dir.display()))?;
 
-    // One source per (module, dtype), holding every form that lives in it.
-    let mut modules: BTreeMap<String, Vec<&Instance>> = BTreeMap::new();
-    for inst in &instances {
-        modules.entry(inst.module()).or_default().push(inst);
-    }
-    let mut jobs = Vec::new();
-    for (module, members) in &modules {
-        let source = gen_dir.join(format!("{module}.cu"));
-        write(&source, &module_source(members)?)?;
-        jobs.push(NvccJob {
-            output: out_dir.join(format!("{module}.fatbin")),
-            source,
-            arch: members[0].form.target(&compute_cap).to_string(),
-            output_kind: OutputKind::Fatbin { machine_code },
-        });
-    }
+    let modules = modules_of(&instances);
+    let mut jobs = module_jobs(
+        &modules,
+        &compute_cap,
+        (&gen_dir, out_dir),
+        OutputKind::Fatbin { machine_code },
+    )?;
     // The table source: resource sizes, layouts and constants as globals the PTX spells out.
     let table_source = gen_dir.join("table.cu");
     let (table_code, layouts) = table_source_code(spec, &instances)?;
@@ -398,13 +395,86 @@ fn build_kernels(spec: &Spec, out_dir: &Path) -> Result<(), String> {
         arch: table_target.to_string(),
         output_kind: OutputKind::Ptx,
     });
+    for check in check_caps()? {
+        jobs.extend(check_jobs(
+            spec,
+            check,
+            &gen_dir.join(format!("check_{check}")),
+        )?);
+    }
     compile_all(&nvcc, &jobs)?;
 
     let values = ptx_globals(&table_ptx)?;
     let code = rust_table(spec, &instances, &modules, &layouts, &values)?;
     write(&out_dir.join("kernel_table.rs"), &code)?;
     println!("cargo:rustc-env=CANDLE_SPLITKV_COMPUTE_CAP={compute_cap}");
+    println!("cargo:rustc-env=CANDLE_SPLITKV_MIN_COMPUTE_CAP={MIN_COMPUTE_CAP}");
     Ok(())
+}
+
+/// The targets `CANDLE_SPLITKV_CHECK_COMPUTE_CAPS` names.
+fn check_caps() -> Result<Vec<u32>, String> {
+    let Ok(list) = env::var(CHECK_CAPS_VAR) else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| match s.parse::<u32>() {
+            Ok(cap) if cap >= MIN_COMPUTE_CAP => Ok(cap),
+            _ => Err(format!(
+                "{CHECK_CAPS_VAR}: {s:?} is not a compute capability of {MIN_COMPUTE_CAP} or later"
+            )),
+        })
+        .collect()
+}
+
+/// PTX jobs for every module of a build for `cap`, their sources and output in `dir`.
+fn check_jobs(spec: &Spec, cap: u32, dir: &Path) -> Result<Vec<NvccJob>, String> {
+    fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let instances = instances(spec, cap);
+    module_jobs(
+        &modules_of(&instances),
+        &cap.to_string(),
+        (dir, dir),
+        OutputKind::Ptx,
+    )
+}
+
+/// The instances by module: one source per (module, dtype, K/V type), holding every form that
+/// lives in it.
+fn modules_of<'a>(instances: &'a [Instance<'a>]) -> BTreeMap<String, Vec<&'a Instance<'a>>> {
+    let mut modules: BTreeMap<String, Vec<&Instance>> = BTreeMap::new();
+    for inst in instances {
+        modules.entry(inst.module()).or_default().push(inst);
+    }
+    modules
+}
+
+/// Writes each module's source into `source_dir` and returns the job that compiles it for
+/// `compute_cap` (or its forms' own architecture) into `output_dir`.
+fn module_jobs(
+    modules: &BTreeMap<String, Vec<&Instance>>,
+    compute_cap: &str,
+    (source_dir, output_dir): (&Path, &Path),
+    output_kind: OutputKind,
+) -> Result<Vec<NvccJob>, String> {
+    let extension = match output_kind {
+        OutputKind::Ptx => "ptx",
+        OutputKind::Fatbin { .. } => "fatbin",
+    };
+    let mut jobs = Vec::new();
+    for (module, members) in modules {
+        let source = source_dir.join(format!("{module}.cu"));
+        write(&source, &module_source(members)?)?;
+        jobs.push(NvccJob {
+            output: output_dir.join(format!("{module}.{extension}")),
+            source,
+            arch: members[0].form.target(compute_cap).to_string(),
+            output_kind,
+        });
+    }
+    Ok(jobs)
 }
 
 fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
@@ -905,6 +975,7 @@ fn ptx_globals(ptx: &Path) -> Result<BTreeMap<String, i64>, String> {
 }
 
 /// What nvcc makes of a source.
+#[derive(Clone, Copy)]
 enum OutputKind {
     /// PTX text, for the table build.rs reads.
     Ptx,

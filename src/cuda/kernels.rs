@@ -145,6 +145,31 @@ mod tests {
     }
 
     #[test]
+    fn every_form_fits_the_targets_shared_memory() {
+        // Checked against the GPU at run time instead, each with a form to fall back on: the
+        // persistent forms (their merge area beside the ring), and below sm_90 the tensor-core
+        // decode of 16-bit K/V at head dim 256 (192 KiB), for which the CUDA-core form runs.
+        let runtime_checked = |k: &KernelSpec| {
+            let persistent = matches!(
+                k.form,
+                KernelForm::TensorCorePersistent | KernelForm::TensorCorePersistentPaged
+            );
+            let wide_ring = k.module.starts_with("split_kv_decode_mma")
+                && k.head_dim == 256
+                && k.kv_dtype != DType::F8E4M3;
+            persistent || wide_ring
+        };
+        for k in KERNELS.iter().filter(|k| !runtime_checked(k)) {
+            assert!(
+                k.smem_bytes <= MAX_SMEM_PER_CTA,
+                "{}: {} bytes of shared memory, the target allows {MAX_SMEM_PER_CTA}",
+                k.symbol,
+                k.smem_bytes
+            );
+        }
+    }
+
+    #[test]
     fn symbols_are_unique() {
         let mut symbols: Vec<_> = KERNELS.iter().map(|k| k.symbol).collect();
         symbols.sort();

@@ -287,7 +287,10 @@ pub(crate) fn allow_dynamic_smem(
     if bytes > most {
         candle_core::bail!(
             "split-kv attention: a kernel needs {bytes} bytes of dynamic shared memory, this GPU \
-             allows it {most}"
+             allows it {most}; this build (compute capability {}) sizes its kernels for {} bytes, \
+             so build with CUDA_COMPUTE_CAP set to this GPU's",
+            compiled_compute_cap(),
+            super::kernels::MAX_SMEM_PER_CTA
         )
     }
     func.set_attribute(

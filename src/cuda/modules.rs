@@ -76,7 +76,16 @@ fn load_error(ctx: &CudaContext, module: &str, err: DriverError) -> Error {
         Ok((major, minor)) => format!("{major}{minor}"),
         Err(_) => "unknown".to_string(),
     };
+    let oldest: u32 = env!("CANDLE_SPLITKV_MIN_COMPUTE_CAP").parse().unwrap_or(0);
+    let too_old = ctx
+        .compute_capability()
+        .is_ok_and(|(major, minor)| ((major * 10 + minor) as u32) < oldest);
     let why = match err.0 {
+        CUDA_ERROR_NO_BINARY_FOR_GPU if too_old => format!(
+            "the kernels need compute capability {oldest} or later (Ampere's asynchronous copies \
+             and tensor-core instructions), and this GPU has {gpu}; on it, use the CPU path \
+             (Device::Cpu)"
+        ),
         CUDA_ERROR_NO_BINARY_FOR_GPU => format!(
             "it holds machine code for compute capability {built} and PTX that only GPUs of \
              {built} or later can compile, and this GPU has compute capability {gpu}; build with \

@@ -79,7 +79,7 @@ impl Baseline {
 }
 
 /// The sentences of `document` a baseline may take: those of its prose lines (not headings,
-/// list items or table rows) with more than [`MAX_FRAGMENT_WORDS`] words, trimmed.
+/// list items or table rows) with more than `MAX_FRAGMENT_WORDS` words, trimmed.
 pub fn candidate_sentences(document: &str) -> Vec<String> {
     let prose: Vec<&str> = document
         .lines()

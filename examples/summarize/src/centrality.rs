@@ -13,7 +13,7 @@ const DAMPING: f64 = 0.85;
 const TOLERANCE: f64 = 1e-7;
 const MAX_ITERATIONS: usize = 200;
 
-/// The terms of a sentence: its content words (see [`content_keys`]), and for text written
+/// The terms of a sentence: its content words (as `content_keys` finds them), and for text written
 /// without spaces, each pair of neighbouring characters as well (a Chinese word is mostly two).
 pub fn terms(sentence: &str) -> Vec<String> {
     let keys = content_keys(sentence);

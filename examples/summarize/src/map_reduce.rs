@@ -152,7 +152,7 @@ impl<'t> MapReduce<'t> {
     }
 
     /// Summarizes a document of more than `tokens` tokens from its most salient sentences (see
-    /// [`rank_salient_sentences`]), up to `tokens` of its tokens, in document order, one
+    /// `rank_salient_sentences`), up to `tokens` of its tokens, in document order, one
     /// paragraph each, instead of from all of it. A document without such sentences is
     /// summarized whole. `None` (the default) summarizes every document whole.
     pub fn with_selection(mut self, tokens: Option<usize>) -> Self {

@@ -8,7 +8,7 @@ const CLOSERS: [char; 5] = ['"', '\u{201d}', '\u{2019}', ')', ']'];
 
 /// The sentences of `text`, in order: each ends after `.`, `!` or `?` followed by whitespace
 /// (with any closing quotes and brackets between them), or at a line break that ends a block
-/// (see [`line_break_ends_block`]), and keeps the whitespace after it, so that the pieces joined
+/// (see `line_break_ends_block`), and keeps the whitespace after it, so that the pieces joined
 /// are the text. A decimal point (`4.2`) ends nothing, as no whitespace follows it.
 pub fn sentences(text: &str) -> Vec<&str> {
     sentence_spans(text)

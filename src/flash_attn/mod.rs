@@ -54,8 +54,7 @@ pub fn flash_attn(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let window_right = if causal { Some(0) } else { None };
-    flash_attn_windowed(q, k, v, softmax_scale, None, window_right)
+    flash_attn_windowed(q, k, v, softmax_scale, None, causal_window_right(causal))
 }
 
 /// [`flash_attn`] with a local window: query i, at position `p = seq_len_kv − seq_len_q + i`,
@@ -89,8 +88,15 @@ pub fn flash_attn_alibi(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let window_right = if causal { Some(0) } else { None };
-    flash_attn_alibi_windowed(q, k, v, alibi_slopes, softmax_scale, None, window_right)
+    flash_attn_alibi_windowed(
+        q,
+        k,
+        v,
+        alibi_slopes,
+        softmax_scale,
+        None,
+        causal_window_right(causal),
+    )
 }
 
 /// candle-flash-attn's windowed ALiBi form. ALiBi is not supported: always an error that says so.
@@ -163,6 +169,11 @@ fn attention_op(
         .with_window_left(window_size_left.filter(|&w| within(w)))
         .with_window_right(window_size_right.filter(|&w| within(w)))
         .with_softcap(softcap))
+}
+
+/// candle-flash-attn's `causal` as a right window: 0 past the query's own position, or no bound.
+fn causal_window_right(causal: bool) -> Option<usize> {
+    causal.then_some(0)
 }
 
 fn refuse_alibi(alibi_slopes: Option<&Tensor>) -> Result<()> {

@@ -12,7 +12,7 @@
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 
-use super::{attention_op, refuse_alibi};
+use super::{attention_op, causal_window_right, refuse_alibi};
 
 /// Attention over packed sequences of different lengths, causal or not.
 ///
@@ -33,7 +33,6 @@ pub fn flash_attn_varlen(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let window_right = if causal { Some(0) } else { None };
     flash_attn_varlen_windowed(
         q,
         k,
@@ -44,7 +43,7 @@ pub fn flash_attn_varlen(
         max_seqlen_k,
         softmax_scale,
         None,
-        window_right,
+        causal_window_right(causal),
     )
 }
 
@@ -93,7 +92,6 @@ pub fn flash_attn_varlen_alibi(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let window_right = if causal { Some(0) } else { None };
     flash_attn_varlen_alibi_windowed(
         q,
         k,
@@ -105,7 +103,7 @@ pub fn flash_attn_varlen_alibi(
         max_seqlen_k,
         softmax_scale,
         None,
-        window_right,
+        causal_window_right(causal),
     )
 }
 

@@ -91,6 +91,9 @@ struct Form {
     head_dims: HeadDims,
     #[serde(default)]
     groups: Vec<usize>,
+    /// Group bounds for a dtype whose instances need fewer than `groups` lists.
+    #[serde(default)]
+    dtype_groups: BTreeMap<String, Vec<usize>>,
     threads: String,
     smem: String,
     cluster_smem: Option<String>,
@@ -252,6 +255,18 @@ fn expand_forms(spec: &Spec) -> Result<Vec<Form>, String> {
             })?;
             if forms.iter().any(|f| f.name == form.name) {
                 return Err(format!("two forms are named {name}"));
+            }
+            if let Some(dtype) = form.dtype_groups.keys().find(|d| !form.dtypes.contains(d)) {
+                return Err(format!(
+                    "form {name}: `dtype_groups` names {dtype}, which is not one of its dtypes"
+                ));
+            }
+            if form.dtype_groups.values().any(Vec::is_empty)
+                || (!form.dtype_groups.is_empty() && form.groups.is_empty())
+            {
+                return Err(format!(
+                    "form {name}: `dtype_groups` narrows `groups` to a non-empty list per dtype"
+                ));
             }
             form.variant = variant;
             forms.push(form);
@@ -485,11 +500,6 @@ fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
             HeadDims::Only(list) => list.iter().copied().map(Some).collect(),
             HeadDims::None | HeadDims::All(false) => vec![None],
         };
-        let groups: Vec<Option<usize>> = if form.groups.is_empty() {
-            vec![None]
-        } else {
-            form.groups.iter().copied().map(Some).collect()
-        };
         let kv_dtypes = std::iter::once(None).chain(
             form.kv_dtypes
                 .iter()
@@ -498,6 +508,12 @@ fn instances(spec: &Spec, cap: u32) -> Vec<Instance<'_>> {
         );
         for kv_dtype in kv_dtypes {
             for dtype in &form.dtypes {
+                let bounds = form.dtype_groups.get(dtype).unwrap_or(&form.groups);
+                let groups: Vec<Option<usize>> = if bounds.is_empty() {
+                    vec![None]
+                } else {
+                    bounds.iter().copied().map(Some).collect()
+                };
                 for &head_dim in &dims {
                     for &group in &groups {
                         all.push(Instance {

@@ -20,6 +20,8 @@ thread_local! {
     static FUSED_LAUNCHES: Cell<u64> = const { Cell::new(0) };
     static PREFILL_ROUTE: Cell<PrefillRoute> = const { Cell::new(PrefillRoute::Auto) };
     static ATTENTION_FORM: Cell<Option<&'static str>> = const { Cell::new(None) };
+    static DECODE_KERNEL: Cell<Option<&'static str>> = const { Cell::new(None) };
+    static SMEM_PER_CTA_LIMIT: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
 /// Which kernels run this thread's attention calls on CUDA.
@@ -62,6 +64,38 @@ pub fn last_attention_form() -> Option<&'static str> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn record_attention_form(form: &'static str) {
     ATTENTION_FORM.set(Some(form));
+}
+
+/// The partial-pass instance this thread's last decode call on CUDA ran, such as
+/// `tensor_core_bf16_d128_g8` or `cuda_core_bf16_d256_g4`.
+pub fn last_decode_kernel() -> Option<&'static str> {
+    DECODE_KERNEL.get()
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn record_decode_kernel(symbol: &'static str) {
+    DECODE_KERNEL.set(Some(symbol));
+}
+
+/// Plans and launches this thread's CUDA calls as if the GPU gave a CTA at most `bytes` of shared
+/// memory (`None`: what it gives), so that a build for a target before sm_90, run on an H100,
+/// takes the paths of a GPU with 99 KiB (sm_86, sm_89).
+pub fn limit_smem_per_cta(bytes: Option<usize>) {
+    SMEM_PER_CTA_LIMIT.set(bytes);
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn smem_per_cta_limit() -> Option<usize> {
+    SMEM_PER_CTA_LIMIT.get()
+}
+
+/// The compute capability this build's kernels target (`CUDA_COMPUTE_CAP` at build time); `None`
+/// in a build without the `cuda` feature.
+pub fn compiled_compute_cap() -> Option<u32> {
+    #[cfg(feature = "cuda")]
+    return Some(crate::cuda::launch::compiled_compute_cap());
+    #[cfg(not(feature = "cuda"))]
+    None
 }
 
 /// Fills the outputs and scratch buffers of every CUDA kernel launched from this thread (the

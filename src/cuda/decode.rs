@@ -126,6 +126,8 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
     let dims = blocks.dims;
 
     let (kernel, plan) = prepare(call, &dev, (q.dtype(), k.dtype()), &blocks)?;
+    #[cfg(feature = "test-hooks")]
+    crate::test_hooks::record_decode_kernel(kernel.spec.symbol);
     debug_assert!(plan.num_splits <= MAX_SPLITS);
     let launch = planner::launch(&dev, &kernel, &blocks, plan)?;
     let merges_through_memory = plan.num_splits > 1 && launch.merge != SplitMerge::InCluster;

@@ -307,7 +307,12 @@ pub(crate) fn max_smem_per_cta(dev: &CudaDevice) -> Result<usize> {
         .context()
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .w()?;
-    Ok(bytes.max(0) as usize)
+    let bytes = bytes.max(0) as usize;
+    #[cfg(feature = "test-hooks")]
+    if let Some(limit) = crate::test_hooks::smem_per_cta_limit() {
+        return Ok(bytes.min(limit));
+    }
+    Ok(bytes)
 }
 
 /// The most dynamic shared memory one CTA of `func` may take: the device's opt-in limit less

@@ -23,4 +23,5 @@ mod gpu_prefill;
 mod gpu_query_tokens;
 mod gpu_rope_split;
 mod llama_gguf;
+mod smem_99_kib;
 mod window_softcap;

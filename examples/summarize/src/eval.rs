@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use summarize::{sentences, words_in, Baseline, ChatTemplate, RewriteContract};
+use summarize::{reads_as_english, sentences, words_in, Baseline, ChatTemplate, RewriteContract};
 
 use crate::bad_input::bad_input;
 use crate::generation::Generator;
@@ -33,15 +33,15 @@ struct Row {
     planted: usize,
     /// The default: selection by the text alone, whole sentences.
     ours: usize,
-    /// With the model's attention salience in selection.
-    attention: usize,
-    /// With the model's rewrites of the selected sentences.
-    rewritten: usize,
+    /// With the model's attention salience in selection (not run with `text_only`).
+    attention: Option<usize>,
+    /// With the model's rewrites of the selected sentences (not run with `text_only`).
+    rewritten: Option<usize>,
     baselines: Vec<usize>,
     words: usize,
     violations: usize,
     /// Seconds taken by ours, with attention salience, with rewrites.
-    secs: [f64; 3],
+    secs: [Option<f64>; 3],
     /// Whether the model does not read the document (it is then neither rewritten nor read).
     not_read: bool,
     raw: serde_json::Value,
@@ -112,15 +112,28 @@ fn violations(summary: &str, document: &str) -> usize {
         .count()
 }
 
+/// How `summarize eval` runs.
+pub struct Options<'a> {
+    /// Where to write every summary and score as JSON, if anywhere.
+    pub raw: Option<&'a Path>,
+    /// Leave out the runs that use the model.
+    pub text_only: bool,
+    pub quiet: bool,
+}
+
 /// Runs the evaluation and prints its table.
 pub fn run(
     generator: &mut Generator,
     chat: &ChatTemplate,
     plan: Plan,
     paths: &[PathBuf],
-    raw: Option<&Path>,
-    quiet: bool,
+    options: Options,
 ) -> Result<()> {
+    let Options {
+        raw,
+        text_only,
+        quiet,
+    } = options;
     let cases = cases(paths)?;
     let mut rows = Vec::with_capacity(cases.len());
     for (i, case) in cases.iter().enumerate() {
@@ -143,8 +156,15 @@ pub fn run(
             Ok((summary, started.elapsed().as_secs_f64()))
         };
         let (ours, secs) = variant(true, false)?;
-        let (attention, attention_secs) = variant(true, true)?;
-        let (rewritten, rewrite_secs) = variant(false, false)?;
+        let with_model = if text_only {
+            None
+        } else {
+            Some((variant(true, true)?, variant(false, false)?))
+        };
+        let (attention, rewritten) = match &with_model {
+            Some(((attention, _), (rewritten, _))) => (Some(attention), Some(rewritten)),
+            None => (None, None),
+        };
         let words = words_in(&ours.text);
         let score = |text: &str| case.facts.score(text, &case.document).recalled.len();
         let baseline_texts: Vec<String> = Baseline::ALL
@@ -157,23 +177,29 @@ pub fn run(
             tokens: ours.document_tokens,
             planted: case.facts.len(),
             ours: score(&ours.text),
-            attention: score(&attention.text),
-            rewritten: score(&rewritten.text),
+            attention: attention.map(|s| score(&s.text)),
+            rewritten: rewritten.map(|s| score(&s.text)),
             baselines: baseline_texts.iter().map(|t| score(t)).collect(),
             words,
-            violations: [&ours, &attention, &rewritten]
-                .iter()
+            violations: [Some(&ours), attention, rewritten]
+                .into_iter()
+                .flatten()
                 .map(|s| violations(&s.text, &case.document))
                 .sum(),
-            secs: [secs, attention_secs, rewrite_secs],
-            not_read: rewritten.extractive.is_some(),
+            secs: [
+                Some(secs),
+                with_model.as_ref().map(|((_, secs), _)| *secs),
+                with_model.as_ref().map(|(_, (_, secs))| *secs),
+            ],
+            // The model reads the document unless the language check says otherwise.
+            not_read: !reads_as_english(&case.document) && plan.english_only,
             raw: json!({
                 "document": case.name,
                 "group": case.group,
                 "ours": ours.text,
                 "ours_missed": case.facts.score(&ours.text, &case.document).missed,
-                "attention_salience": attention.text,
-                "rewritten": rewritten.text,
+                "attention_salience": attention.map(|s| s.text.clone()),
+                "rewritten": rewritten.map(|s| s.text.clone()),
                 "baselines": Baseline::ALL.iter().zip(&baseline_texts)
                     .map(|(b, t)| json!({"name": b.name(), "summary": t, "words": words_in(t)}))
                     .collect::<Vec<_>>(),
@@ -193,10 +219,20 @@ pub fn run(
     Ok(())
 }
 
+/// A count, or a dash for a run left out.
+fn count(value: Option<usize>) -> String {
+    value.map_or("–".to_string(), |v| v.to_string())
+}
+
 fn table_row(row: &Row) -> String {
     let baselines: Vec<String> = row.baselines.iter().map(usize::to_string).collect();
+    let secs: Vec<String> = row
+        .secs
+        .iter()
+        .map(|s| s.map_or("–".to_string(), |s| format!("{s:.1}")))
+        .collect();
     format!(
-        "| {}{} | {} | {}/{} | {} | {} | {} | {} | {} | {:.1} / {:.1} / {:.1} s |",
+        "| {}{} | {} | {}/{} | {} | {} | {} | {} | {} | {} s |",
         row.name,
         if row.not_read {
             " (not read by the model)"
@@ -206,14 +242,12 @@ fn table_row(row: &Row) -> String {
         row.tokens,
         row.ours,
         row.planted,
-        row.attention,
-        row.rewritten,
+        count(row.attention),
+        count(row.rewritten),
         baselines.join(" | "),
         row.words,
         row.violations,
-        row.secs[0],
-        row.secs[1],
-        row.secs[2]
+        secs.join(" / ")
     )
 }
 
@@ -242,9 +276,17 @@ fn table(rows: &[Row]) -> String {
         }
         let mean = |recalled: &dyn Fn(&Row) -> usize| {
             rows.iter()
-                .map(|r| recalled(r) as f64 / r.planted as f64)
+                .map(|r| recalled(r) as f64 / r.planted.max(1) as f64)
                 .sum::<f64>()
                 / rows.len() as f64
+        };
+        // A run left out of any row has no mean.
+        let model_mean = |recalled: &dyn Fn(&Row) -> Option<usize>| {
+            if rows.iter().all(|r| recalled(r).is_some()) {
+                format!("{:.2}", mean(&|r: &Row| recalled(r).unwrap_or(0)))
+            } else {
+                "–".to_string()
+            }
         };
         let baseline_means: Vec<f64> = (0..names.len())
             .map(|b| mean(&|r: &Row| r.baselines[b]))
@@ -253,10 +295,10 @@ fn table(rows: &[Row]) -> String {
         let ours = mean(&|r: &Row| r.ours);
         let _ = writeln!(
             out,
-            "| mean recall | | {:.2} | {:.2} | {:.2} | {} | | {} | |",
+            "| mean recall | | {:.2} | {} | {} | {} | | {} | |",
             ours,
-            mean(&|r: &Row| r.attention),
-            mean(&|r: &Row| r.rewritten),
+            model_mean(&|r: &Row| r.attention),
+            model_mean(&|r: &Row| r.rewritten),
             baseline_means
                 .iter()
                 .map(|m| format!("{m:.2}"))

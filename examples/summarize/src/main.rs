@@ -164,15 +164,23 @@ fn run(args: &Args) -> Result<()> {
              batches over a paged cache, which holds f32, f16 or bf16"
         );
     }
-    if let Some(Command::Eval { paths, raw }) = &args.command {
+    if let Some(Command::Eval {
+        paths,
+        raw,
+        text_only,
+    }) = &args.command
+    {
         progress.clear();
         return eval::run(
             &mut generator,
             &chat,
             plan,
             paths,
-            raw.as_deref(),
-            args.quiet,
+            eval::Options {
+                raw: raw.as_deref(),
+                text_only: *text_only,
+                quiet: args.quiet,
+            },
         );
     }
     let summarizer = Summarizer::new(&mut generator, chat, plan);

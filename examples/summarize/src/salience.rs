@@ -1,10 +1,12 @@
 //! Extractive selection: the sentences that say what a document is about. Each sentence is
-//! weighed by how central it is (LexRank) and by the names, numbers and dates it states that no
-//! sentence picked before it states; sentences of the document's own overview count more, and
-//! a section already drawn on counts less, so that every part of the document is heard and an
-//! anecdotal opening is not mistaken for the point. Before the model, it boils a long document
-//! down to what a small model can read quickly; it also makes the summary itself where the
-//! model does not read the document's language.
+//! weighed by how central it is (LexRank), by the names, numbers and dates it states that no
+//! sentence picked before it states, and by the document's distinctive terms it is the first to
+//! state; sentences of the document's own overview count more, so that its author's summary is
+//! heard and an anecdotal opening is not mistaken for the point. The facts and terms count once
+//! per summary, so the objective has diminishing returns and is filled greedily by gain per
+//! token under the budget. Before the model, it boils a long document down to what a small
+//! model can read quickly; it also makes the summary itself where the model does not read the
+//! document's language.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -34,10 +36,11 @@ const CENTRALITY_WEIGHT: f64 = 0.3;
 
 /// How much more a sentence of the document's own overview (abstract, summary, key findings)
 /// weighs.
-const OVERVIEW_WEIGHT: f64 = 1.5;
+const OVERVIEW_WEIGHT: f64 = 2.5;
 
-/// How fast a section's weight falls with the sentences already picked from it.
-const SECTION_DECAY: f64 = 0.5;
+/// How much the distinctive terms a sentence is the first to state (their inverse sentence
+/// frequencies summed, 1 for the mean sentence's whole set) weigh against one new fact.
+const COVERAGE_WEIGHT: f64 = 0.5;
 
 /// How much a sentence's model salience (1 on average over the scored sentences) weighs against
 /// one new fact.
@@ -77,6 +80,10 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
     let mut name: Fact = Vec::new();
     for (position, word) in sentence.split_whitespace().enumerate() {
         let mut capitalized = false;
+        if let Some(number) = decimal_comma(word) {
+            facts.push(vec![number]);
+            continue;
+        }
         for mention in mentions(word) {
             match mention {
                 Mention::Number(number) => {
@@ -108,12 +115,22 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
     facts
 }
 
+/// The number a word writes with a decimal comma (`3,2` and `48,7` in most European languages),
+/// with a decimal point; `None` for any other word. At most two digits follow the comma, since
+/// three are a group of thousands (`4,200`).
+fn decimal_comma(word: &str) -> Option<String> {
+    let word = word.trim_end_matches(|c: char| c.is_ascii_punctuation() || c == '%');
+    let (whole, fraction) = word.split_once(',')?;
+    let digits = |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+    (digits(whole) && digits(fraction) && fraction.len() <= 2)
+        .then(|| format!("{whole}.{fraction}"))
+}
+
 /// A sentence that may be picked, with what it is weighed by.
 struct Candidate {
     position: usize,
     text: String,
     tokens: usize,
-    section: usize,
     overview: bool,
     facts: Vec<Fact>,
     centrality: f64,
@@ -132,21 +149,19 @@ pub(crate) struct Picked {
     pub tokens: usize,
 }
 
-/// The sentences of `text` that may stand in a summary, with the section each is in and
-/// whether that section is the document's overview; with a model's salience, only the sentences
+/// The sentences of `text` that may stand in a summary, with whether the section each is in is
+/// the document's overview; with a model's salience, only the sentences
 /// it scores.
 fn candidates(text: &str, token_starts: &[usize], model: Option<&ModelSalience>) -> Vec<Candidate> {
     let tokens_in = |span: &Range<usize>| {
         token_starts.partition_point(|&start| start < span.end)
             - token_starts.partition_point(|&start| start < span.start)
     };
-    let mut section = 0;
     let mut overview = false;
     let mut found = Vec::new();
     for (position, span) in sentence_spans(text).into_iter().enumerate() {
         let raw = text[span.clone()].trim();
         if let Some(heading) = raw.strip_prefix('#') {
-            section += 1;
             let heading = heading.trim_start_matches('#').trim().to_lowercase();
             overview = OVERVIEW_HEADINGS.iter().any(|h| heading.contains(h));
             continue;
@@ -163,7 +178,6 @@ fn candidates(text: &str, token_starts: &[usize], model: Option<&ModelSalience>)
             found.push(Candidate {
                 position,
                 tokens: tokens_in(&span).max(1),
-                section,
                 overview,
                 facts: facts_of(&sentence),
                 centrality: 0.0,
@@ -198,9 +212,9 @@ fn candidates(text: &str, token_starts: &[usize], model: Option<&ModelSalience>)
 /// [`token_starts`](super::chunking::token_starts)).
 ///
 /// Each pick is the sentence with the most weight per token: its centrality and its `model`
-/// salience (where given, among the sentences it scores only), plus the names and numbers it
-/// states that no picked sentence states, times its section's weight (more for the overview,
-/// less for each sentence picked there), less its likeness to the sentences picked.
+/// salience (where given, among the sentences it scores only), plus the names and numbers and
+/// the distinctive terms it states that no picked sentence states, times the overview's weight
+/// where it stands in the document's overview, less its likeness to the sentences picked.
 pub(crate) fn rank_salient_sentences(
     text: &str,
     token_starts: &[usize],
@@ -208,14 +222,20 @@ pub(crate) fn rank_salient_sentences(
     model: Option<&ModelSalience>,
 ) -> Vec<Picked> {
     let mut candidates = candidates(text, token_starts, model);
-    let vectors = tfidf_vectors(
-        &candidates
-            .iter()
-            .map(|c| terms(&c.text))
-            .collect::<Vec<_>>(),
-    );
+    let sentence_terms: Vec<Vec<String>> = candidates.iter().map(|c| terms(&c.text)).collect();
+    let vectors = tfidf_vectors(&sentence_terms);
+    let distinct_terms: Vec<Vec<&str>> = sentence_terms
+        .iter()
+        .map(|terms| {
+            let mut distinct: Vec<&str> = terms.iter().map(String::as_str).collect();
+            distinct.sort_unstable();
+            distinct.dedup();
+            distinct
+        })
+        .collect();
+    let term_weights = distinctive_term_weights(&distinct_terms);
     let mut covered: HashSet<&Fact> = HashSet::new();
-    let mut section_picks: HashMap<usize, usize> = HashMap::new();
+    let mut covered_terms: HashSet<&str> = HashSet::new();
     let mut likeness = vec![0.0f64; candidates.len()];
     let mut taken = vec![false; candidates.len()];
     let mut used = 0;
@@ -230,18 +250,19 @@ pub(crate) fn rank_salient_sentences(
                     .iter()
                     .filter(|fact| !covered.contains(fact))
                     .count() as f64;
-                let picks = section_picks.get(&c.section).copied().unwrap_or(0);
-                // The document's own overview is its author's summary: every sentence of it
-                // counts, however many were picked before it.
-                let section = if c.overview {
-                    OVERVIEW_WEIGHT
-                } else {
-                    1.0 / (1.0 + SECTION_DECAY * picks as f64)
-                };
-                let weight =
-                    (CENTRALITY_WEIGHT * c.centrality + MODEL_WEIGHT * c.model + new_facts)
-                        * section
-                        * (1.0 - REDUNDANCY_WEIGHT * likeness[i]).max(0.0);
+                let new_terms: f64 = distinct_terms[i]
+                    .iter()
+                    .filter(|term| !covered_terms.contains(*term))
+                    .map(|term| term_weights.get(term).copied().unwrap_or(0.0))
+                    .sum();
+                // The document's own overview is its author's summary.
+                let overview = if c.overview { OVERVIEW_WEIGHT } else { 1.0 };
+                let weight = (CENTRALITY_WEIGHT * c.centrality
+                    + MODEL_WEIGHT * c.model
+                    + new_facts
+                    + COVERAGE_WEIGHT * new_terms)
+                    * overview
+                    * (1.0 - REDUNDANCY_WEIGHT * likeness[i]).max(0.0);
                 (i, weight / c.tokens as f64)
             })
             .filter(|&(_, gain)| gain > 0.0)
@@ -252,8 +273,8 @@ pub(crate) fn rank_salient_sentences(
         };
         taken[i] = true;
         used += candidates[i].tokens;
-        *section_picks.entry(candidates[i].section).or_insert(0) += 1;
         covered.extend(candidates[i].facts.iter());
+        covered_terms.extend(distinct_terms[i].iter().copied());
         for (j, like) in likeness.iter_mut().enumerate() {
             *like = like.max(cosine(&vectors[i], &vectors[j]));
         }
@@ -268,6 +289,37 @@ pub(crate) fn rank_salient_sentences(
         })
         .collect();
     picked
+}
+
+/// The weight of each term of `sentences` (each a list of distinct terms): its inverse sentence
+/// frequency, `ln(n / df)`, so that a term few sentences state (a specific) counts more than one
+/// most of them state; scaled so that the mean sentence's terms add up to 1.
+fn distinctive_term_weights<'a>(sentences: &[Vec<&'a str>]) -> HashMap<&'a str, f64> {
+    let mut frequency: HashMap<&str, f64> = HashMap::new();
+    for terms in sentences {
+        for &term in terms {
+            *frequency.entry(term).or_insert(0.0) += 1.0;
+        }
+    }
+    let n = sentences.len().max(1) as f64;
+    let mut weights: HashMap<&str, f64> = frequency
+        .into_iter()
+        .map(|(term, df)| (term, (n / df).ln()))
+        .collect();
+    let mean_sentence = sentences
+        .iter()
+        .map(|terms| {
+            terms
+                .iter()
+                .filter_map(|term| weights.get(term))
+                .sum::<f64>()
+        })
+        .sum::<f64>()
+        / n;
+    if mean_sentence > 0.0 {
+        weights.values_mut().for_each(|w| *w /= mean_sentence);
+    }
+    weights
 }
 
 /// The sentences [`rank_salient_sentences`] picks, in the order of the text.
@@ -305,6 +357,56 @@ mod tests {
                 "Marguerite Ashdown led the design team from the first drawing."
             ]
         );
+    }
+
+    #[test]
+    fn a_decimal_comma_writes_one_number() {
+        assert_eq!(decimal_comma("3,2"), Some("3.2".to_string()));
+        assert_eq!(decimal_comma("48,75%,"), Some("48.75".to_string()));
+        // Three digits after a comma are a group of thousands.
+        assert_eq!(decimal_comma("4,200"), None);
+        assert_eq!(decimal_comma("a,b"), None);
+        assert_eq!(decimal_comma(",5"), None);
+        // A small decimal is a fact; the integers each side of the comma alone would not be.
+        assert_eq!(
+            facts_of("La tasa de agua sube un 3,2 por ciento."),
+            [vec!["3.2".to_string()]]
+        );
+    }
+
+    #[test]
+    fn rarer_terms_weigh_more_and_the_mean_sentence_weighs_one() {
+        let sentences = vec![
+            vec!["barrier", "gates"],
+            vec!["barrier", "cost"],
+            vec!["barrier", "gates", "ashdown"],
+            vec!["barrier"],
+        ];
+        let weights = distinctive_term_weights(&sentences);
+        // A term every sentence states tells none apart.
+        assert_eq!(weights["barrier"], 0.0);
+        assert!(weights["ashdown"] > weights["gates"]);
+        assert_eq!(weights["ashdown"], weights["cost"]);
+        let mean: f64 = sentences
+            .iter()
+            .map(|terms| terms.iter().map(|t| weights[t]).sum::<f64>())
+            .sum::<f64>()
+            / sentences.len() as f64;
+        assert!((mean - 1.0).abs() < 1e-12, "{mean}");
+        assert!(distinctive_term_weights(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_sentence_of_new_terms_comes_before_one_of_terms_already_stated() {
+        // No names or numbers: the second pick is the sentence that adds what the first did
+        // not say, not the one that says it again in other order.
+        let text = "The estuary barrier closes against storm surges at high tide. \
+            The barrier closes at high tide against storm surges on the estuary. \
+            Engineers inspect the hinges and seals every spring after the floods.";
+        let picked = rank_salient_sentences(text, &word_starts(text), 24, None);
+        let positions: Vec<usize> = picked.iter().map(|p| p.position).collect();
+        assert_eq!(positions.len(), 2);
+        assert!(positions.contains(&2), "{positions:?}");
     }
 
     #[test]

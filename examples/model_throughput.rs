@@ -20,7 +20,9 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
-use candle_splitkv::models::llama::{Llama, LoadOptions, DEFAULT_PREFILL_CHUNK};
+use candle_splitkv::models::llama::{
+    Llama, LoadOptions, WeightForm, WeightFormPolicy, DEFAULT_PREFILL_CHUNK,
+};
 use candle_splitkv::AttentionBackend;
 use candle_splitkv::SequenceId;
 use candle_transformers::models::quantized_llama::{ModelWeights, MAX_SEQ_LEN};
@@ -57,6 +59,52 @@ struct Args {
     /// Prompt tokens per prefill chunk (default: the model's, `DEFAULT_PREFILL_CHUNK`).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// GGUF weight forms: `measure` (the default, timed at load), or the decode form fixed
+    /// (`stored-rows`, `q8-rows`, `as-stored`, `q8`, `dense`) with the prompt's form measured.
+    #[arg(long, default_value = "measure")]
+    weight_form: String,
+    /// Instead of timing: the mean log-likelihood of the first `--loglik-tokens` tokens of this
+    /// text file, each token's logits from a one-token decode step (the decode weight form).
+    #[arg(long)]
+    loglik: Option<PathBuf>,
+    #[arg(long, default_value_t = 2048)]
+    loglik_tokens: usize,
+    /// Instead of timing: 16 greedy tokens after each of the default-model test prompts
+    /// (`tests/cpu/batched_llama.rs`), with the gap between the two largest logits at each pick.
+    #[arg(long)]
+    greedy: bool,
+}
+
+/// Mean natural-log likelihood of `tokens[1..]`, each predicted by a one-token step.
+fn mean_log_likelihood(model: &mut Llama, tokens: &[u32]) -> Result<f64> {
+    model.reset();
+    let mut total = 0.0;
+    let mut logits = model.forward(&tokens[..1])?;
+    for &next in &tokens[1..] {
+        let row = logits.to_vec1::<f32>()?;
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+        total += row[next as usize] as f64 - max - sum.ln();
+        logits = model.forward(&[next])?;
+    }
+    Ok(total / (tokens.len() - 1) as f64)
+}
+
+/// `steps` greedy tokens after `prompt`, each with the gap between its logit and the next
+/// largest.
+fn greedy_with_gaps(model: &mut Llama, prompt: &[u32], steps: usize) -> Result<Vec<(u32, f32)>> {
+    model.reset();
+    let mut logits = model.forward(prompt)?;
+    let mut out = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let row = logits.to_vec1::<f32>()?;
+        let mut order: Vec<usize> = (0..row.len()).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+        let next = order[0] as u32;
+        out.push((next, row[order[0]] - row[order[1]]));
+        logits = model.forward(&[next])?;
+    }
+    Ok(out)
 }
 
 /// A deterministic prompt of `len` tokens: an English passage, repeated, starting `offset`
@@ -178,7 +226,20 @@ fn main() -> Result<()> {
         Some("fp8") => Some(DType::F8E4M3),
         Some(other) => bail!("unknown cache dtype {other}; use f32, f16, bf16 or fp8"),
     };
+    let weight_forms = match args.weight_form.as_str() {
+        "measure" => WeightFormPolicy::Measure,
+        "stored-rows" => WeightFormPolicy::FixedDecode(WeightForm::StoredRows),
+        "q8-rows" => WeightFormPolicy::FixedDecode(WeightForm::Q8_0Rows),
+        "as-stored" => WeightFormPolicy::FixedDecode(WeightForm::AsStored),
+        "q8" => WeightFormPolicy::FixedDecode(WeightForm::Q8_0),
+        "dense" => WeightFormPolicy::FixedDecode(WeightForm::DenseF32),
+        other => bail!(
+            "unknown weight form {other}; use measure, stored-rows, q8-rows, as-stored, q8 or \
+             dense"
+        ),
+    };
     let options = LoadOptions {
+        weight_forms,
         cache_dtype,
         prefill_chunk: args.prefill_chunk.unwrap_or(DEFAULT_PREFILL_CHUNK),
         ..LoadOptions::default()
@@ -189,6 +250,56 @@ fn main() -> Result<()> {
         eprintln!("  {choice}");
     }
     let mut model = loaded.model;
+    if let Some(path) = &args.loglik {
+        let text = std::fs::read_to_string(path)?;
+        let ids = loaded
+            .tokenizer
+            .encode(text, false)
+            .map_err(anyhow::Error::msg)?
+            .get_ids()
+            .to_vec();
+        let tokens = &ids[..ids.len().min(args.loglik_tokens)];
+        if tokens.len() < 2 {
+            bail!("{} has fewer than 2 tokens", path.display())
+        }
+        let mean = mean_log_likelihood(&mut model, tokens)?;
+        println!(
+            "{{\"kind\":\"loglik\",\"weight_form\":\"{}\",\"tokens\":{},\"mean_log_likelihood\":{mean:.6}}}",
+            args.weight_form,
+            tokens.len()
+        );
+        return Ok(());
+    }
+    if args.greedy {
+        for text in [
+            "The tidal barrier was finished in",
+            "Paris is the capital of France, and its river is called the",
+            "Rust is a programming language that",
+            "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        ] {
+            let prompt = loaded
+                .tokenizer
+                .encode(text, false)
+                .map_err(anyhow::Error::msg)?
+                .get_ids()
+                .to_vec();
+            let picks = greedy_with_gaps(&mut model, &prompt, 16)?;
+            let tokens: Vec<u32> = picks.iter().map(|p| p.0).collect();
+            let gaps: Vec<String> = picks.iter().map(|p| format!("{:.3}", p.1)).collect();
+            let decoded = loaded
+                .tokenizer
+                .decode(&tokens, true)
+                .map_err(anyhow::Error::msg)?;
+            println!(
+                "{{\"kind\":\"greedy\",\"weight_form\":\"{}\",\"prompt\":{:?},\"tokens\":{tokens:?},\"gaps\":[{}],\"text\":{:?}}}",
+                args.weight_form,
+                text,
+                gaps.join(","),
+                decoded
+            );
+        }
+        return Ok(());
+    }
     if args.batch.contains(&0) || args.page_size == 0 {
         bail!("--batch sizes and --page-size must be at least 1")
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use candle_core::quantized::QMatMul;
 use candle_core::{Module, Result, Tensor};
 
+use super::gguf_rows::GgufRows;
 use super::q8_rows::Q8Rows;
 
 /// One form of a weight, with the kernel that multiplies it.
@@ -15,6 +16,8 @@ pub enum LinearWeight {
     QMatMul(QMatMul),
     /// Q8_0 rows through the crate's rayon kernel (CPU only).
     Q8Rows(Arc<Q8Rows>),
+    /// GGUF blocks as stored, through the crate's rayon kernel (CPU only).
+    GgufRows(Arc<GgufRows>),
 }
 
 impl Module for LinearWeight {
@@ -22,6 +25,7 @@ impl Module for LinearWeight {
         match self {
             Self::QMatMul(w) => crate::nn::fused_linear::matmul_rows(w, x),
             Self::Q8Rows(w) => w.forward(x),
+            Self::GgufRows(w) => w.forward(x),
         }
     }
 }

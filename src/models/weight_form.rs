@@ -13,8 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{bail, DType, Device, Module, Result, Tensor};
 
+use super::gguf_rows::GgufRows;
 use super::linear::{Linear, LinearWeight};
 use super::q8_rows::Q8Rows;
 
@@ -30,6 +31,17 @@ pub enum WeightForm {
     Q8_0Rows,
     /// Dequantized to dense f32, through gemm.
     DenseF32,
+    /// The GGUF blocks as stored (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), through the crate's rayon
+    /// kernel with 8-bit inputs and integer dot products (`GgufRows`). CPU, single rows only,
+    /// like `Q8_0Rows`.
+    StoredRows,
+}
+
+impl WeightForm {
+    /// Whether this form runs the crate's single-row kernels (CPU, decode only).
+    fn is_rows_kernel(self) -> bool {
+        matches!(self, Self::Q8_0Rows | Self::StoredRows)
+    }
 }
 
 impl fmt::Display for WeightForm {
@@ -39,6 +51,7 @@ impl fmt::Display for WeightForm {
             Self::Q8_0 => "Q8_0",
             Self::Q8_0Rows => "Q8_0 rows",
             Self::DenseF32 => "dense f32",
+            Self::StoredRows => "stored rows",
         })
     }
 }
@@ -51,6 +64,9 @@ pub enum WeightFormPolicy {
     Measure,
     /// Use this form for every quantized weight (no measurement).
     Fixed(WeightForm),
+    /// Use this form for single rows (decode) wherever it takes the weight, and choose the
+    /// many-row form by measurement as `Measure` does: for A/B runs of decode forms.
+    FixedDecode(WeightForm),
 }
 
 /// The forms chosen for one stored type.
@@ -152,17 +168,23 @@ pub(crate) fn choose(
     if is_float(stored) {
         return Ok(fixed(WeightForm::DenseF32));
     }
-    match policy {
+    let decode_form = match policy {
         WeightFormPolicy::Fixed(form) => return Ok(fixed(form)),
-        WeightFormPolicy::Measure if !device.is_cpu() => return Ok(fixed(WeightForm::AsStored)),
-        WeightFormPolicy::Measure => {}
-    }
+        WeightFormPolicy::Measure | WeightFormPolicy::FixedDecode(_) if !device.is_cpu() => {
+            return Ok(fixed(WeightForm::AsStored))
+        }
+        WeightFormPolicy::Measure => None,
+        WeightFormPolicy::FixedDecode(form) => Some(form),
+    };
     let mut candidates = vec![WeightForm::AsStored, WeightForm::DenseF32];
     if k % GgmlDType::Q8_0.block_size() == 0 {
         if stored != GgmlDType::Q8_0 {
             candidates.push(WeightForm::Q8_0);
         }
         candidates.push(WeightForm::Q8_0Rows);
+    }
+    if GgufRows::takes(sample) {
+        candidates.push(WeightForm::StoredRows);
     }
     let decode_x = Tensor::randn(0f32, 1.0, (1, k), device)?;
     let prefill_x = Tensor::randn(0f32, 1.0, (PREFILL_ROWS, k), device)?;
@@ -173,10 +195,10 @@ pub(crate) fn choose(
     // Decode reads every weight from memory once per token: time it with cold caches.
     let mut eviction = vec![0u64; EVICTION_BYTES / 8];
     let decode = mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction))?;
-    // Q8_0 rows is a single-row kernel: never a prefill form.
+    // The rows kernels are single-row kernels: never a prefill form.
     let prefill_forms: Vec<bool> = candidates
         .iter()
-        .map(|&form| !single_rows_only && form != WeightForm::Q8_0Rows)
+        .map(|&form| !single_rows_only && !form.is_rows_kernel())
         .collect();
     let prefill_weights: Vec<LinearWeight> = weights
         .iter()
@@ -201,7 +223,10 @@ pub(crate) fn choose(
             .min_by(|a, b| effective_ms(a.form, time(a)).total_cmp(&effective_ms(b.form, time(b))))
             .map_or(WeightForm::AsStored, |t| t.form)
     };
-    let decode = fastest(|t| t.decode);
+    let decode = match decode_form {
+        Some(form) if timings.iter().any(|t| t.form == form) => form,
+        _ => fastest(|t| t.decode),
+    };
     let plan = WeightPlan {
         decode,
         prefill: if single_rows_only {
@@ -239,6 +264,16 @@ pub(crate) fn convert(weight: &QTensor, form: WeightForm) -> Result<LinearWeight
         WeightForm::DenseF32 => LinearWeight::QMatMul(QMatMul::Tensor(
             weight.dequantize(&device)?.to_dtype(DType::F32)?,
         )),
+        WeightForm::StoredRows if device.is_cpu() && GgufRows::takes(weight) => {
+            LinearWeight::GgufRows(Arc::new(GgufRows::new(weight)?))
+        }
+        WeightForm::StoredRows => bail!(
+            "weight form: stored rows take Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weights on the CPU \
+             whose rows are whole blocks, got {:?} {:?} on {:?}",
+            weight.dtype(),
+            weight.shape().dims(),
+            device.location()
+        ),
     })
 }
 
@@ -299,7 +334,7 @@ fn effective_ms(form: WeightForm, measured: Duration) -> f64 {
     let ms = measured.as_secs_f64() * 1e3;
     match form {
         WeightForm::AsStored | WeightForm::Q8_0 => ms * SPIN_BARRIER_PENALTY,
-        WeightForm::Q8_0Rows | WeightForm::DenseF32 => ms,
+        WeightForm::Q8_0Rows | WeightForm::DenseF32 | WeightForm::StoredRows => ms,
     }
 }
 
@@ -359,6 +394,7 @@ mod tests {
             (WeightForm::AsStored, 2e-2),
             (WeightForm::Q8_0, 3e-2),
             (WeightForm::Q8_0Rows, 3e-2),
+            (WeightForm::StoredRows, 2e-2),
         ] {
             let y = convert(&q, form)?.forward(&x)?;
             let rel = max_abs_diff(&y, &exact)? / scale;
@@ -373,8 +409,8 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (128, 256), &dev)?;
         let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
         let choice = choose(&q, WeightFormPolicy::Measure, &dev, false)?;
-        assert_eq!(choice.timings.len(), 4);
-        assert_ne!(choice.plan.prefill, WeightForm::Q8_0Rows);
+        assert_eq!(choice.timings.len(), 5);
+        assert!(!choice.plan.prefill.is_rows_kernel());
         let forms: Vec<_> = choice.timings.iter().map(|t| t.form).collect();
         assert!(forms.contains(&choice.plan.decode) && forms.contains(&choice.plan.prefill));
         let fixed = choose(&q, WeightFormPolicy::Fixed(WeightForm::Q8_0), &dev, false)?;

@@ -16,7 +16,7 @@
 //! rows at once and must see the logits decode steps see).
 
 use std::cell::RefCell;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::quantized::QTensor;
@@ -140,14 +140,20 @@ impl Kernel {
     }
 }
 
-/// An `(out, in)` weight in its stored GGUF blocks, row-major (each row whole blocks).
+/// An `(out, in)` weight in its stored GGUF blocks, row-major (each row whole blocks): rows
+/// `first_row..first_row + out_features` of a block store that views may share (a layer's
+/// q, k and v are views of their joined rows).
 #[derive(Debug, Clone)]
 pub struct GgufRows {
     format: Format,
-    data: Vec<u8>,
+    data: Arc<Vec<u8>>,
     row_bytes: usize,
+    first_row: usize,
     out_features: usize,
     in_features: usize,
+    /// Output `silu(y[..h]) × y[h..]` (h = out / 2) instead of `y`: a joined gate/up product
+    /// that hands the down projection its input.
+    silu_mul: bool,
 }
 
 thread_local! {
@@ -214,11 +220,52 @@ impl GgufRows {
         }
         Ok(Self {
             format,
-            data,
+            data: Arc::new(data),
             row_bytes,
+            first_row: 0,
             out_features,
             in_features,
+            silu_mul: false,
         })
+    }
+
+    /// Rows `start..start + count` of this weight, sharing its blocks.
+    pub fn rows(&self, start: usize, count: usize) -> Result<Self> {
+        if self.silu_mul || start + count > self.out_features || count == 0 {
+            bail!(
+                "stored rows: no rows {start}..{} of {} to view",
+                start + count,
+                self.out_features
+            )
+        }
+        Ok(Self {
+            first_row: self.first_row + start,
+            out_features: count,
+            data: Arc::clone(&self.data),
+            ..*self
+        })
+    }
+
+    /// The same rows with outputs `silu(y[..h]) × y[h..]`, h = out / 2: for the rows of a gate
+    /// projection followed by those of an up projection.
+    pub fn with_silu_mul(mut self) -> Result<Self> {
+        if !self.out_features.is_multiple_of(2) {
+            bail!(
+                "stored rows: SiLU(gate) × up needs an even number of rows, got {}",
+                self.out_features
+            )
+        }
+        self.silu_mul = true;
+        Ok(self)
+    }
+
+    /// Output values per input row.
+    fn outputs(&self) -> usize {
+        if self.silu_mul {
+            self.out_features / 2
+        } else {
+            self.out_features
+        }
     }
 
     /// `x (…, in)` → `(…, out)`, f32 on the CPU.
@@ -250,15 +297,23 @@ impl GgufRows {
         if rows == 0 {
             return Ok(());
         }
-        INPUTS.with(|inputs| {
-            let mut inputs = inputs.borrow_mut();
+        INPUTS.with(|held| {
+            // A thread of the pool waiting on its tasks may run another product's (two models
+            // on one pool): that one quantizes into a buffer of its own.
+            let mut own = QuantizedRows::default();
+            let mut held = held.try_borrow_mut();
+            let inputs = match held.as_deref_mut() {
+                Ok(held) => held,
+                Err(_) => &mut own,
+            };
             inputs.quantize(x, self.in_features);
             let inputs = &*inputs;
+            let data = &self.data[self.first_row * self.row_bytes..];
             let blocks = self.in_features / BLOCK * self.out_features;
             for (r, out_row) in out.chunks_exact_mut(self.out_features).enumerate() {
                 let x_row = inputs.row(r);
                 let dots = |first: usize, ys: &mut [f32]| {
-                    let rows = &self.data[first * self.row_bytes..];
+                    let rows = &data[first * self.row_bytes..];
                     kernel.dots(self.format, rows, self.row_bytes, x_row, ys);
                 };
                 if blocks < PARALLEL_MIN_BLOCK_PRODUCTS {
@@ -298,9 +353,23 @@ impl CustomOp1 for GgufRows {
         let rows = x.len() / self.in_features;
         let mut out = vec![0f32; rows * self.out_features];
         self.products(Kernel::detect(), x, &mut out)?;
+        if self.silu_mul {
+            // candle's SiLU (x / (1 + e^-x)), then the product, as the unjoined layers do.
+            let half = self.out_features / 2;
+            let mut activated = Vec::with_capacity(rows * half);
+            for y in out.chunks_exact(self.out_features) {
+                let (gate, up) = y.split_at(half);
+                activated.extend(
+                    gate.iter()
+                        .zip(up)
+                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+                );
+            }
+            out = activated;
+        }
         let mut shape = dims.to_vec();
         if let Some(last) = shape.last_mut() {
-            *last = self.out_features;
+            *last = self.outputs();
         }
         Ok((CpuStorage::F32(out), Shape::from(shape)))
     }

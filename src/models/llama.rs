@@ -24,10 +24,12 @@ mod rope;
 
 use std::cell::RefCell;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
+use super::gguf_rows::GgufRows;
 use super::linear::{Linear, RowSplit};
 use crate::nn::attention::{AttentionStep, CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
@@ -129,6 +131,15 @@ enum Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// Whether `n` rows are all multiplied in the single-row form.
+    fn single_row_form(self, n: usize) -> bool {
+        match self {
+            Rows::BySize => n == 1,
+            Rows::AsDecode => true,
+            Rows::Split(_) => false,
+        }
+    }
+
     fn project(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
         match self {
             Rows::BySize => linear.forward(x),
@@ -235,6 +246,9 @@ struct SelfAttention {
     o_proj: Linear,
     /// Per-head RMSNorm of q and k before RoPE (Qwen3).
     qk_norms: Option<(RmsNorm, RmsNorm)>,
+    /// q, k and v's rows joined in their single-row form (GGUF blocks as stored, no biases):
+    /// one product for the three in a decode step, each output what its own projection gives.
+    decode_qkv: Option<Arc<GgufRows>>,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -252,15 +266,26 @@ impl SelfAttention {
     ) -> Result<Tensor> {
         let rows = kv.rows();
         let (b, t, _) = x.dims3()?;
-        let q = rows
-            .project(&self.q_proj, x)?
-            .reshape((b, t, self.q_heads, self.head_dim))?;
-        let k = rows
-            .project(&self.k_proj, x)?
-            .reshape((b, t, self.kv_heads, self.head_dim))?;
-        let v = rows
-            .project(&self.v_proj, x)?
-            .reshape((b, t, self.kv_heads, self.head_dim))?;
+        let (q, k, v) = match &self.decode_qkv {
+            Some(qkv) if rows.single_row_form(b * t) => {
+                let qkv = qkv.forward(x)?;
+                let (q_size, kv_size) =
+                    (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
+                (
+                    qkv.narrow(2, 0, q_size)?,
+                    qkv.narrow(2, q_size, kv_size)?,
+                    qkv.narrow(2, q_size + kv_size, kv_size)?,
+                )
+            }
+            _ => (
+                rows.project(&self.q_proj, x)?,
+                rows.project(&self.k_proj, x)?,
+                rows.project(&self.v_proj, x)?,
+            ),
+        };
+        let q = q.reshape((b, t, self.q_heads, self.head_dim))?;
+        let k = k.reshape((b, t, self.kv_heads, self.head_dim))?;
+        let v = v.reshape((b, t, self.kv_heads, self.head_dim))?;
         let (q, k) = match &self.qk_norms {
             Some((q_norm, k_norm)) => (q_norm.forward(&q)?, k_norm.forward(&k)?),
             None => (q, k),
@@ -282,10 +307,19 @@ struct Mlp {
     down_proj: Linear,
     /// SiLU, or Gemma-2's GELU (tanh approximation).
     activation: candle_nn::Activation,
+    /// Gate and up's rows joined in their single-row form with SiLU(gate) × up applied to the
+    /// product (SiLU layers, GGUF blocks as stored): one product in a decode step.
+    decode_gate_up: Option<Arc<GgufRows>>,
 }
 
 impl Mlp {
     fn forward(&self, x: &Tensor, rows: Rows<'_>) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        if let Some(gate_up) = &self.decode_gate_up {
+            if rows.single_row_form(b * t) {
+                return rows.project(&self.down_proj, &gate_up.forward(x)?);
+            }
+        }
         let gate = rows.project(&self.gate_proj, x)?.apply(&self.activation)?;
         rows.project(
             &self.down_proj,
@@ -595,6 +629,7 @@ impl Llama {
                         v_proj: projection(t.v, "v_proj", kv_size)?,
                         o_proj: Linear::dense(t.o),
                         qk_norms,
+                        decode_qkv: None,
                         q_heads: c.num_attention_heads,
                         kv_heads: c.num_key_value_heads,
                         head_dim: c.head_dim,
@@ -605,6 +640,7 @@ impl Llama {
                         up_proj: Linear::dense(t.up),
                         down_proj: Linear::dense(t.down),
                         activation: c.mlp_activation(),
+                        decode_gate_up: None,
                     },
                     output_norms,
                 })))

@@ -296,6 +296,45 @@ pub(crate) fn linear(weight: QTensor, plan: WeightPlan) -> Result<Linear> {
     }
 }
 
+/// Linear layers for `weights` (one stored type, one `in`) following `plan`. When their
+/// single-row form is `StoredRows`, those forms are views of one [`GgufRows`] joining their
+/// rows, which is returned too: a decode step can multiply them all in one product (q, k and v;
+/// gate and up), each view's outputs what its own product gives.
+pub(crate) fn joined_linears(
+    weights: Vec<QTensor>,
+    plan: WeightPlan,
+) -> Result<(Vec<Linear>, Option<Arc<GgufRows>>)> {
+    let joinable = plan.decode == WeightForm::StoredRows
+        && weights.iter().all(|w| {
+            w.device().is_cpu()
+                && GgufRows::takes(w)
+                && w.dtype() == weights[0].dtype()
+                && w.shape().dims2().ok().map(|d| d.1)
+                    == weights[0].shape().dims2().ok().map(|d| d.1)
+        });
+    if !joinable {
+        let linears = weights
+            .into_iter()
+            .map(|w| linear(w, plan))
+            .collect::<Result<Vec<_>>>()?;
+        return Ok((linears, None));
+    }
+    let joined = GgufRows::joined(&weights.iter().collect::<Vec<_>>())?;
+    let mut start = 0;
+    let mut linears = Vec::with_capacity(weights.len());
+    for weight in weights {
+        let rows = weight.shape().dims2()?.0;
+        let single = LinearWeight::GgufRows(Arc::new(joined.rows(start, rows)?));
+        start += rows;
+        linears.push(if plan.prefill == plan.decode {
+            Linear::new(single)
+        } else {
+            Linear::with_forms(single, into_form(weight, plan.prefill)?)
+        });
+    }
+    Ok((linears, Some(Arc::new(joined))))
+}
+
 /// Whether `form` uses `weight`'s blocks unchanged.
 fn keeps_storage(weight: &QTensor, form: WeightForm) -> bool {
     !is_float(weight.dtype())

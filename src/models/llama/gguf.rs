@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
@@ -20,7 +21,7 @@ use super::{
     RopeLayout, SelfAttention, Weights,
 };
 use crate::models::linear::Linear;
-use crate::models::weight_form::{self, WeightChoice, WeightForm, WeightFormPolicy};
+use crate::models::weight_form::{self, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
 
 /// The per-layer matrices, by their GGUF names.
 const LAYER_MATRICES: [&str; 7] = [
@@ -360,7 +361,39 @@ fn weights_in_chosen_forms(
                 None => bail!("model: no weight plan for {:?}", tensor.dtype()),
             }
         };
-        let (mut q_proj, mut k_proj, mut v_proj) = (matrix(m.q)?, matrix(m.k)?, matrix(m.v)?);
+        let plan_of = |tensor: &QTensor| -> Result<WeightPlan> {
+            match plans.get(&tensor.dtype()) {
+                Some(plan) => Ok(*plan),
+                None => bail!("model: no weight plan for {:?}", tensor.dtype()),
+            }
+        };
+        // Matrices that take the same input, joined for decode steps where they share a form.
+        let (qkv_plan, gate_up_plan) = (plan_of(&m.q)?, plan_of(&m.gate)?);
+        let (qkv, decode_qkv) =
+            if biases.is_none() && [&m.k, &m.v].iter().all(|t| t.dtype() == m.q.dtype()) {
+                weight_form::joined_linears(vec![m.q, m.k, m.v], qkv_plan)?
+            } else {
+                (vec![matrix(m.q)?, matrix(m.k)?, matrix(m.v)?], None)
+            };
+        let activation = config.mlp_activation();
+        let (gate_up, joined_gate_up) = if m.up.dtype() == m.gate.dtype() {
+            weight_form::joined_linears(vec![m.gate, m.up], gate_up_plan)?
+        } else {
+            (vec![matrix(m.gate)?, matrix(m.up)?], None)
+        };
+        let decode_gate_up = match joined_gate_up {
+            Some(rows) if activation == candle_nn::Activation::Silu => {
+                Some(Arc::new(Arc::unwrap_or_clone(rows).with_silu_mul()?))
+            }
+            _ => None,
+        };
+        let [q_proj, k_proj, v_proj]: [Linear; 3] = qkv
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("model: q/k/v not three".into()))?;
+        let [gate_proj, up_proj]: [Linear; 2] = gate_up
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("model: gate/up not two".into()))?;
+        let (mut q_proj, mut k_proj, mut v_proj) = (q_proj, k_proj, v_proj);
         if let Some([q, k, v]) = biases {
             (q_proj, k_proj, v_proj) = (
                 q_proj.with_bias(q),
@@ -376,16 +409,18 @@ fn weights_in_chosen_forms(
                 k_proj,
                 v_proj,
                 o_proj: matrix(m.o)?,
+                decode_qkv,
                 q_heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
             },
             post_attention_norm,
             mlp: Mlp {
-                gate_proj: matrix(m.gate)?,
-                up_proj: matrix(m.up)?,
+                gate_proj,
+                up_proj,
                 down_proj: matrix(m.down)?,
-                activation: config.mlp_activation(),
+                activation,
+                decode_gate_up,
             },
             output_norms,
         })));

@@ -135,7 +135,9 @@ impl fmt::Display for WeightChoice {
 /// Rows of the many-row timing: a typical prefill chunk is far larger; gemm efficiency has
 /// mostly levelled off by here.
 const PREFILL_ROWS: usize = 128;
-const DECODE_ROUNDS: usize = 10;
+/// Decode products per form: single products of one sample weight are short (0.1 ms), so one
+/// descheduled round moves a mean of ten by several times the difference between forms.
+const DECODE_ROUNDS: usize = 30;
 /// Twice the last-level cache of common desktop and server CPUs.
 const EVICTION_BYTES: usize = 64 << 20;
 /// Candle's quantized CPU matmul (forms `AsStored` and `Q8_0`) synchronises its threads with
@@ -194,7 +196,11 @@ pub(crate) fn choose(
         .collect::<Result<Vec<_>>>()?;
     // Decode reads every weight from memory once per token: time it with cold caches.
     let mut eviction = vec![0u64; EVICTION_BYTES / 8];
-    let decode = mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction))?;
+    // Timed on a thread of rayon's pool, as a decode step runs its products (see
+    // `llama::on_cpu_pool`): from outside it each product would also pay the calling thread's
+    // sleep and wake-up, which a step does not.
+    let decode =
+        rayon::scope(|_| mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction)))?;
     // The rows kernels are single-row kernels: never a prefill form.
     let prefill_forms: Vec<bool> = candidates
         .iter()

@@ -91,10 +91,15 @@ pub(crate) fn smem_per_cta_limit() -> Option<usize> {
 
 /// The compute capability this build's kernels target (`CUDA_COMPUTE_CAP` at build time); `None`
 /// in a build without the `cuda` feature.
+#[cfg(feature = "cuda")]
 pub fn compiled_compute_cap() -> Option<u32> {
-    #[cfg(feature = "cuda")]
-    return Some(crate::cuda::launch::compiled_compute_cap());
-    #[cfg(not(feature = "cuda"))]
+    Some(crate::cuda::launch::compiled_compute_cap())
+}
+
+/// The compute capability this build's kernels target: `None`, a build without the `cuda`
+/// feature.
+#[cfg(not(feature = "cuda"))]
+pub fn compiled_compute_cap() -> Option<u32> {
     None
 }
 

@@ -49,8 +49,12 @@ fn gpu_99_kib_decode_forms() -> Result<()> {
                         let want = reference(&q, &k, &v, case.scale(), None)?;
                         assert_close(&what, &out, &want.out, dtype)?;
                         assert_lse_close(&what, &lse, &want.lse, dtype)?;
-                        // Only head dim 256 leaves the tensor cores, and only for CUDA cores.
-                        let expected = if d == 256 { "cuda_core_" } else { "tensor_core" };
+                        // Head dim 256 alone leaves the tensor cores for CUDA cores.
+                        let expected = if d == 256 {
+                            "cuda_core_"
+                        } else {
+                            "tensor_core"
+                        };
                         assert!(kernel.starts_with(expected), "{what}: expected {expected}*");
                         count += 1;
                     }

@@ -863,6 +863,11 @@ impl Llama {
     /// form for prompts), and on the CPU the attention split as each step would split it; so
     /// there each row's logits are exactly those of [`Llama::forward`] one token at a time.
     pub fn forward_all(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        on_cpu_pool(self.device.is_cpu(), || self.forward_all_here(tokens))
+    }
+
+    /// [`Llama::forward_all`] on the calling thread.
+    fn forward_all_here(&mut self, tokens: &[u32]) -> Result<Tensor> {
         let rows = if tokens.len() <= crate::MAX_QUERY_TOKENS {
             Rows::AsDecode
         } else {

@@ -34,6 +34,17 @@ impl Llama {
         cache: &mut PagedKvCache,
         inputs: &[(SequenceId, &[u32])],
     ) -> Result<Tensor> {
+        super::on_cpu_pool(self.device.is_cpu(), || {
+            self.forward_mixed_here(cache, inputs)
+        })
+    }
+
+    /// [`Llama::forward_mixed`] on the calling thread.
+    fn forward_mixed_here(
+        &self,
+        cache: &mut PagedKvCache,
+        inputs: &[(SequenceId, &[u32])],
+    ) -> Result<Tensor> {
         self.check_paged_cache(cache)?;
         if inputs.is_empty() {
             bail!("model forward_mixed: the step has no sequences")

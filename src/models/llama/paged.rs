@@ -41,6 +41,18 @@ impl Llama {
         ids: &[SequenceId],
         tokens: &[u32],
     ) -> Result<Tensor> {
+        super::on_cpu_pool(self.device.is_cpu(), || {
+            self.forward_paged_here(cache, ids, tokens)
+        })
+    }
+
+    /// [`Llama::forward_paged`] on the calling thread.
+    fn forward_paged_here(
+        &self,
+        cache: &mut PagedKvCache,
+        ids: &[SequenceId],
+        tokens: &[u32],
+    ) -> Result<Tensor> {
         self.check_paged_cache(cache)?;
         if ids.is_empty() || tokens.is_empty() || !tokens.len().is_multiple_of(ids.len()) {
             bail!(

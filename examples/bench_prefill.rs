@@ -150,7 +150,7 @@ fn dtype_name(dtype: DType) -> &'static str {
 #[cfg(feature = "cuda")]
 fn bench(args: &Args, points: &[Point]) -> Result<()> {
     use candle_core::{Device, Tensor};
-    use candle_splitkv::test_hooks::last_attention_form;
+    use candle_splitkv::test_hooks::{compiled_compute_cap, last_attention_form};
     use candle_splitkv::{quantize_e4m3, SplitKvAttention};
     use serde_json::json;
 
@@ -158,6 +158,11 @@ fn bench(args: &Args, points: &[Point]) -> Result<()> {
     let Device::Cuda(cuda) = &device else {
         bail!("bench_prefill needs a CUDA device")
     };
+    // fp8 K/V need a build for compute capability 89 or later; below it their points are left out.
+    let fp8_built = compiled_compute_cap().is_some_and(|cap| cap >= 89);
+    if !fp8_built {
+        eprintln!("bench_prefill: this build has no fp8 K/V kernels; fp8 points left out");
+    }
     for name in &args.dtypes {
         let dtype = parse_dtype(name)?;
         for p in points {
@@ -165,6 +170,7 @@ fn bench(args: &Args, points: &[Point]) -> Result<()> {
             if args.fp8 && !p.fp8 {
                 kinds.push(true);
             }
+            kinds.retain(|&fp8| fp8_built || !fp8);
             for fp8 in kinds {
                 let p = Point { fp8, ..*p };
                 let l = p.past + p.t;

@@ -25,12 +25,8 @@ use rayon::prelude::*;
 
 mod act;
 mod formats;
-// AVX-512 intrinsics and target features are stable from Rust 1.89, past the manifest's
-// rust-version (1.87); candle-core 0.11.1, which the crate builds on, already compiles AVX-512
-// VNNI functions on every x86-64 build (its `quantized/repack_x86.rs`), so 1.89 is what x86-64
-// builds need either way.
+// AVX-512 intrinsics and target features are stable from Rust 1.89, the crate's rust-version.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::incompatible_msrv)]
 mod x86;
 
 use act::{ActRow, QuantizedRows, BLOCK};

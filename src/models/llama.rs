@@ -411,12 +411,20 @@ fn layer_attention(
 /// are done, a wake-up and a sleep per product (a sixth of a decode step's CPU time on 2 cores
 /// went to them). From a thread of the pool, that thread takes part in each product and the
 /// others steal from it.
+#[cfg(not(feature = "cuda"))]
 fn on_cpu_pool<R: Send>(cpu: bool, pass: impl FnOnce() -> R + Send) -> R {
     if cpu && rayon::current_thread_index().is_none() {
         rayon::scope(|_| pass())
     } else {
         pass()
     }
+}
+
+/// With the `cuda` feature a model holds CUDA graph handles, which may not be shared between
+/// threads, so a pass runs on the calling thread.
+#[cfg(feature = "cuda")]
+fn on_cpu_pool<R>(_cpu: bool, pass: impl FnOnce() -> R) -> R {
+    pass()
 }
 
 /// Checks a prefill chunk size.

@@ -44,6 +44,32 @@ pub fn gpu() -> Option<Device> {
     }
 }
 
+/// Whether this build runs fp8 (e4m3) K/V on CUDA: its kernels need compute capability 89 or
+/// later, so a build for 80 or 86 has none.
+pub fn fp8_kv_built() -> bool {
+    candle_splitkv::test_hooks::compiled_compute_cap().is_some_and(|cap| cap >= 89)
+}
+
+/// The first CUDA device for a test of fp8 K/V, or `None` with a notice. In a build without fp8
+/// kernels an fp8 call must fail with the error that says so, which is checked instead.
+pub fn gpu_for_fp8(test: &str) -> Result<Option<Device>> {
+    let Some(dev) = gpu() else { return Ok(None) };
+    if fp8_kv_built() {
+        return Ok(Some(dev));
+    }
+    let q = Tensor::zeros((1, 1, 8, 64), DType::BF16, &dev)?;
+    let kv = Tensor::zeros((1, 16, 8, 64), DType::F8E4M3, &Device::Cpu)?.to_device(&dev)?;
+    match SplitKvAttention::new(0.125).forward(&q, &kv, &kv) {
+        Ok(_) => panic!("{test}: an fp8 call ran in a build without fp8 kernels"),
+        Err(e) => assert!(
+            e.to_string().contains("compute capability 89"),
+            "{test}: unexpected error {e}"
+        ),
+    }
+    println!("{test}: fp8 K/V skipped, this build has none (refused with an error, as it should)");
+    Ok(None)
+}
+
 /// The op, with this thread's kernel outputs and split scratch filled with NaN before the
 /// kernels run from here on, so that an element they fail to write fails the comparison.
 pub fn poisoned(scale: f32) -> SplitKvAttention {

@@ -12,7 +12,7 @@ use candle_splitkv::{
 };
 
 use crate::common::{
-    assert_close, assert_lse_close, gpu, host_f64, max_abs_diff, poisoned, reference,
+    assert_close, assert_lse_close, gpu, gpu_for_fp8, host_f64, max_abs_diff, poisoned, reference,
 };
 
 /// Random `shape` in e4m3 with a per-tensor scale that maps its largest magnitude to ±448, the
@@ -100,7 +100,9 @@ fn check(dev: &Device, shape: Shape, splits: &[Option<usize>], lens: Option<&[u3
 
 #[test]
 fn gpu_fp8_every_head_dim_group_and_length() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_every_head_dim_group_and_length")? else {
+        return Ok(());
+    };
     let mut count = 0;
     for dtype in [DType::BF16, DType::F16] {
         for d in SUPPORTED_HEAD_DIMS {
@@ -129,7 +131,9 @@ fn gpu_fp8_every_head_dim_group_and_length() -> Result<()> {
 /// Several query tokens: t × group rows, one tile up to 16 rows and blocks of rows past it.
 #[test]
 fn gpu_fp8_query_tokens() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_query_tokens")? else {
+        return Ok(());
+    };
     for t in [2, 3, 5, 8, MAX_QUERY_TOKENS] {
         for (h_q, h_kv, d) in [(32, 8, 128), (8, 2, 64), (12, 1, 96), (4, 4, 80)] {
             for l in [t - 1, t + 1, 3000] {
@@ -152,7 +156,9 @@ fn gpu_fp8_query_tokens() -> Result<()> {
 /// Split counts from one to many agree within fp32 rounding, whichever merge the plan picks.
 #[test]
 fn gpu_fp8_split_counts_agree() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_split_counts_agree")? else {
+        return Ok(());
+    };
     for (t, l) in [(1, 40000), (4, 20000), (1, 900)] {
         let shape = Shape {
             b: 1,
@@ -188,7 +194,9 @@ fn gpu_fp8_split_counts_agree() -> Result<()> {
 /// Per-sequence lengths, some below t, and grids large enough for the persistent form.
 #[test]
 fn gpu_fp8_varlen_and_persistent() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_varlen_and_persistent")? else {
+        return Ok(());
+    };
     let lens = [4097u32, 1000, 5, 1, 0, 16];
     for (t, h_q, h_kv, d) in [(1, 32, 8, 128), (6, 8, 2, 64), (3, 12, 1, 256)] {
         let shape = Shape {
@@ -225,7 +233,9 @@ fn gpu_fp8_varlen_and_persistent() -> Result<()> {
 /// token dimension.
 #[test]
 fn gpu_fp8_strided_views() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_strided_views")? else {
+        return Ok(());
+    };
     let (b, t, h_q, h_kv, d, cap, len) = (2, 3, 12, 3, 128, 3000, 2049);
     let wide = Tensor::randn(0f32, 1.0, (b, t + 2, h_q, d), &dev)?.to_dtype(DType::BF16)?;
     let q = wide.narrow(1, 1, t)?;
@@ -245,7 +255,9 @@ fn gpu_fp8_strided_views() -> Result<()> {
 /// The GPU and the CPU op agree on the same stored bytes and scales.
 #[test]
 fn gpu_fp8_matches_cpu() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_fp8_matches_cpu")? else {
+        return Ok(());
+    };
     let shape = Shape {
         b: 2,
         t: 4,

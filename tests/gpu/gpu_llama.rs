@@ -16,8 +16,8 @@ use candle_core::{DType, Device, Tensor, D};
 use candle_splitkv::models::llama::{Llama, LoadOptions};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::common::gpu;
 use crate::common::tiny_llama::{write_decisive_tiny_model, write_tiny_model, VOCAB};
+use crate::common::{gpu, gpu_for_fp8};
 
 /// The greedy token and its lead over the runner-up.
 fn greedy(logits: &Tensor) -> Result<(u32, f32)> {
@@ -149,7 +149,9 @@ fn gpu_fused_decode_is_as_close_to_cpu_as_unfused() -> Result<()> {
 /// of itself; see tests/cpu/llama_fp8_cache.rs for the bound).
 #[test]
 fn gpu_fp8_cache_stays_close_to_bf16() -> Result<()> {
-    let Some(gpu) = gpu() else { return Ok(()) };
+    let Some(gpu) = gpu_for_fp8("gpu_fp8_cache_stays_close_to_bf16")? else {
+        return Ok(());
+    };
     let dir = tempfile::tempdir()?;
     write_tiny_model(dir.path())?;
     let load = |cache_dtype| -> Result<Llama> {

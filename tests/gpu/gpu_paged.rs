@@ -7,8 +7,8 @@
 use candle_core::{DType, Result};
 use candle_splitkv::CudaKernel;
 
-use crate::common::gpu;
 use crate::common::paged::{check_paged, Layout, PagedCase};
+use crate::common::{gpu, gpu_for_fp8};
 
 const SPLITS: [Option<usize>; 3] = [None, Some(1), Some(7)];
 const KERNELS: [CudaKernel; 2] = [CudaKernel::TensorCore, CudaKernel::CudaCore];
@@ -75,7 +75,9 @@ fn every_dtype_head_dim_and_group() -> Result<()> {
 
 #[test]
 fn fp8_pages() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("fp8_pages")? else {
+        return Ok(());
+    };
     for (d, page_size) in [(128, 16), (64, 16), (128, 256), (64, 7)] {
         for dtype in [DType::BF16, DType::F16] {
             let case = PagedCase {

@@ -14,7 +14,10 @@ use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY
 use crate::common;
 use crate::common::paged::{check_paged, Layout, PagedCase};
 use crate::common::seeded::SeededDraws;
-use crate::common::{assert_close, assert_lse_close, gpu, host_f64, poisoned, reference_masked};
+use crate::common::{
+    assert_close, assert_lse_close, fp8_kv_built, gpu, gpu_for_fp8, host_f64, poisoned,
+    reference_masked,
+};
 
 const HEAD_DIMS: [usize; 5] = [64, 80, 96, 128, 256];
 const DTYPES: [DType; 2] = [DType::F16, DType::BF16];
@@ -346,7 +349,9 @@ fn check_fp8(
 /// fp8 K/V with scales against the reference on the dequantized K/V, on both prefill forms.
 #[test]
 fn gpu_prefill_fp8() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_prefill_fp8")? else {
+        return Ok(());
+    };
     let routes = routes(&dev)?;
     for d in HEAD_DIMS {
         for dtype in DTYPES {
@@ -381,7 +386,9 @@ fn e4m3_value(bits: u8) -> f32 {
 /// sees it gets its value row, bit for bit, on both prefill forms.
 #[test]
 fn gpu_prefill_fp8_widens_exactly() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
+    let Some(dev) = gpu_for_fp8("gpu_prefill_fp8_widens_exactly")? else {
+        return Ok(());
+    };
     let mut values: Vec<f32> = (0..=255u8)
         .filter(|bits| bits & 0x7F != 0x7F)
         .map(e4m3_value)
@@ -427,7 +434,10 @@ fn gpu_prefill_paged() -> Result<()> {
             (128, DType::BF16, DType::F8E4M3, 32, Some(100)),
             (256, DType::F16, DType::F8E4M3, 16, None),
             (64, DType::BF16, DType::F8E4M3, 8, None),
-        ] {
+        ]
+        .into_iter()
+        .filter(|case| case.2 != DType::F8E4M3 || fp8_kv_built())
+        {
             let case = PagedCase {
                 t: 60,
                 h_q: 8,
@@ -528,7 +538,8 @@ fn gpu_prefill_seeded_random_shapes() -> Result<()> {
         let lens = (draw(2) == 0).then(|| (0..b).map(|_| draw(l + 1) as u32).collect::<Vec<_>>());
         let window = (draw(4) == 0).then(|| 1 + draw(l + 1));
         let softcap = (draw(4) == 0).then(|| 5.0 + draw(40) as f32);
-        let fp8 = draw(4) == 0;
+        // Drawn whether or not the build has fp8 kernels, so that the shapes stay the same.
+        let fp8 = draw(4) == 0 && fp8_kv_built();
         let shape = Shape {
             dtype,
             lens,

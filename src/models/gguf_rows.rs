@@ -18,7 +18,6 @@
 use std::cell::RefCell;
 use std::sync::{Arc, OnceLock};
 
-use candle_core::backend::BackendStorage;
 use candle_core::quantized::QTensor;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -340,20 +339,9 @@ impl CustomOp1 for GgufRows {
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            bail!("stored rows: input must be f32, got {:?}", storage.dtype())
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("stored rows: input must be contiguous")
-        };
+        let x =
+            super::q8_rows::contiguous_f32_rows("stored rows", storage, layout, self.in_features)?;
         let dims = layout.dims();
-        if dims.last() != Some(&self.in_features) {
-            bail!(
-                "stored rows: input {dims:?} must end in in_features = {}",
-                self.in_features
-            )
-        }
-        let x = &data[start..end];
         let rows = x.len() / self.in_features;
         let mut out = vec![0f32; rows * self.out_features];
         self.products(Kernel::detect(), x, &mut out)?;

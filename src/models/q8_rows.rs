@@ -62,26 +62,35 @@ impl Q8Rows {
     }
 }
 
+/// The input of a CPU row product: contiguous f32 rows of `in_features` values; `what` names the
+/// product in the errors.
+pub(crate) fn contiguous_f32_rows<'a>(
+    what: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+    in_features: usize,
+) -> Result<&'a [f32]> {
+    let CpuStorage::F32(data) = storage else {
+        bail!("{what}: input must be f32, got {:?}", storage.dtype())
+    };
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("{what}: input must be contiguous")
+    };
+    let dims = layout.dims();
+    if dims.last() != Some(&in_features) {
+        bail!("{what}: input {dims:?} must end in in_features = {in_features}")
+    }
+    Ok(&data[start..end])
+}
+
 impl CustomOp1 for Q8Rows {
     fn name(&self) -> &'static str {
         "q8-rows-matmul"
     }
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(data) = storage else {
-            bail!("q8 rows: input must be f32, got {:?}", storage.dtype())
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            bail!("q8 rows: input must be contiguous")
-        };
+        let x = contiguous_f32_rows("q8 rows", storage, layout, self.in_features)?;
         let dims = layout.dims();
-        if dims.last() != Some(&self.in_features) {
-            bail!(
-                "q8 rows: input {dims:?} must end in in_features = {}",
-                self.in_features
-            )
-        }
-        let x = &data[start..end];
         let blocks_per_row = self.in_features / BLOCK;
         let rows = x.len() / self.in_features;
         let mut x_quants = vec![0i8; x.len()];

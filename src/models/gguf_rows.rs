@@ -24,12 +24,16 @@ use rayon::prelude::*;
 
 mod act;
 mod formats;
+mod packed;
 // AVX-512 intrinsics and target features are stable from Rust 1.89, the crate's rust-version.
+#[cfg(target_arch = "x86_64")]
+mod packed_vnni;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 use act::{ActRow, QuantizedRows, BLOCK};
 pub use formats::Format;
+pub use packed::PackedBlocks;
 
 /// Weight rows per rayon task: enough work to amortise scheduling (16 rows of 576 Q4_1 values
 /// are 5.6 KiB), small enough that a descheduled worker's share is soon taken over.

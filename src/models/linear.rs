@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::quantized::QMatMul;
 use candle_core::{Module, Result, Tensor};
 
-use super::gguf_rows::GgufRows;
+use super::gguf_rows::{GgufRows, PackedBlocks};
 use super::q8_rows::Q8Rows;
 
 /// One form of a weight, with the kernel that multiplies it.
@@ -18,6 +18,8 @@ pub enum LinearWeight {
     Q8Rows(Arc<Q8Rows>),
     /// GGUF blocks as stored, through the crate's rayon kernel (CPU only).
     GgufRows(Arc<GgufRows>),
+    /// GGUF blocks repacked for many-row products (CPU only).
+    PackedBlocks(Arc<PackedBlocks>),
 }
 
 impl Module for LinearWeight {
@@ -26,6 +28,7 @@ impl Module for LinearWeight {
             Self::QMatMul(w) => crate::nn::fused_linear::matmul_rows(w, x),
             Self::Q8Rows(w) => w.forward(x),
             Self::GgufRows(w) => w.forward(x),
+            Self::PackedBlocks(w) => w.forward(x),
         }
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 
-use super::gguf_rows::GgufRows;
+use super::gguf_rows::{GgufRows, Kernel, PackedBlocks};
 use super::linear::{Linear, LinearWeight};
 use super::q8_rows::Q8Rows;
 
@@ -35,12 +35,21 @@ pub enum WeightForm {
     /// kernel with 8-bit inputs and integer dot products (`GgufRows`). CPU, single rows only,
     /// like `Q8_0Rows`.
     StoredRows,
+    /// The GGUF 32-value blocks (Q4_0, Q4_1, Q8_0, Q4_K) repacked for the crate's many-row
+    /// kernel with 8-bit inputs (`PackedBlocks`). CPU; timed for prompts only, and only where
+    /// the CPU has AVX-512 VNNI (the portable form is for correctness elsewhere).
+    PackedBlocks,
 }
 
 impl WeightForm {
     /// Whether this form runs the crate's single-row kernels (CPU, decode only).
     fn is_rows_kernel(self) -> bool {
         matches!(self, Self::Q8_0Rows | Self::StoredRows)
+    }
+
+    /// Whether this form is timed for prompts only.
+    fn is_many_rows_kernel(self) -> bool {
+        self == Self::PackedBlocks
     }
 }
 
@@ -52,6 +61,7 @@ impl fmt::Display for WeightForm {
             Self::Q8_0Rows => "Q8_0 rows",
             Self::DenseF32 => "dense f32",
             Self::StoredRows => "stored rows",
+            Self::PackedBlocks => "packed blocks",
         })
     }
 }
@@ -82,7 +92,8 @@ pub(crate) struct WeightPlan {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct FormTiming {
     pub form: WeightForm,
-    pub decode: Duration,
+    /// `None` when only many rows were timed.
+    pub decode: Option<Duration>,
     /// `None` when only single rows were timed.
     pub prefill: Option<Duration>,
 }
@@ -120,7 +131,10 @@ impl fmt::Display for WeightChoice {
             let (n, k) = self.sample_shape;
             write!(f, " (timed on {n}x{k}:")?;
             for t in &self.timings {
-                write!(f, " {} {:.2} ms", t.form, t.decode.as_secs_f64() * 1e3)?;
+                write!(f, " {}", t.form)?;
+                if let Some(decode) = t.decode {
+                    write!(f, " {:.2} ms", decode.as_secs_f64() * 1e3)?;
+                }
                 if let Some(prefill) = t.prefill {
                     write!(f, " / {:.1} ms", prefill.as_secs_f64() * 1e3)?;
                 }
@@ -197,6 +211,9 @@ pub(crate) fn choose(
     if GgufRows::takes(sample) {
         candidates.push(WeightForm::StoredRows);
     }
+    if !single_rows_only && PackedBlocks::takes(sample) && Kernel::detect() == Kernel::Vnni {
+        candidates.push(WeightForm::PackedBlocks);
+    }
     let decode_x = Tensor::randn(0f32, 1.0, (1, k), device)?;
     let prefill_x = Tensor::randn(0f32, 1.0, (PREFILL_ROWS, k), device)?;
     let weights = candidates
@@ -208,28 +225,35 @@ pub(crate) fn choose(
     // Timed on a thread of rayon's pool, as a decode step runs its products (see
     // `llama::on_cpu_pool`): from outside it each product would also pay the calling thread's
     // sleep and wake-up, which a step does not.
-    let decode =
-        rayon::scope(|_| mean_times(&weights, &decode_x, DECODE_ROUNDS, Some(&mut eviction)))?;
+    let decode_forms: Vec<bool> = candidates
+        .iter()
+        .map(|form| !form.is_many_rows_kernel())
+        .collect();
+    let decode_weights = timed_weights(&weights, &decode_forms);
+    let mut decode = rayon::scope(|_| {
+        mean_times(
+            &decode_weights,
+            &decode_x,
+            DECODE_ROUNDS,
+            Some(&mut eviction),
+        )
+    })?
+    .into_iter();
     // The rows kernels are single-row kernels: never a prefill form.
     let prefill_forms: Vec<bool> = candidates
         .iter()
         .map(|&form| !single_rows_only && !form.is_rows_kernel())
         .collect();
-    let prefill_weights: Vec<LinearWeight> = weights
-        .iter()
-        .zip(&prefill_forms)
-        .filter(|(_, &timed)| timed)
-        .map(|(w, _)| w.clone())
-        .collect();
+    let prefill_weights = timed_weights(&weights, &prefill_forms);
     let mut prefill = mean_times(&prefill_weights, &prefill_x, PREFILL_ROUNDS, None)?.into_iter();
     let timings: Vec<FormTiming> = candidates
         .iter()
-        .zip(decode)
+        .zip(&decode_forms)
         .zip(&prefill_forms)
-        .map(|((&form, decode), &timed)| FormTiming {
+        .map(|((&form, &decode_timed), &prefill_timed)| FormTiming {
             form,
-            decode,
-            prefill: if timed { prefill.next() } else { None },
+            decode: if decode_timed { decode.next() } else { None },
+            prefill: if prefill_timed { prefill.next() } else { None },
         })
         .collect();
     let fastest = |time: fn(&FormTiming) -> Duration| {
@@ -240,7 +264,7 @@ pub(crate) fn choose(
     };
     let decode = match decode_form {
         Some(form) if timings.iter().any(|t| t.form == form) => form,
-        _ => fastest(|t| t.decode),
+        _ => fastest(|t| t.decode.unwrap_or(Duration::MAX)),
     };
     let plan = WeightPlan {
         decode,
@@ -256,6 +280,16 @@ pub(crate) fn choose(
         plan,
         timings,
     })
+}
+
+/// The weights whose entry in `timed` is true.
+fn timed_weights(weights: &[LinearWeight], timed: &[bool]) -> Vec<LinearWeight> {
+    weights
+        .iter()
+        .zip(timed)
+        .filter(|(_, &timed)| timed)
+        .map(|(w, _)| w.clone())
+        .collect()
 }
 
 /// `weight` in `form`, ready to multiply.
@@ -282,6 +316,16 @@ pub(crate) fn convert(weight: &QTensor, form: WeightForm) -> Result<LinearWeight
         WeightForm::StoredRows if device.is_cpu() && GgufRows::takes(weight) => {
             LinearWeight::GgufRows(Arc::new(GgufRows::new(weight)?))
         }
+        WeightForm::PackedBlocks if device.is_cpu() && PackedBlocks::takes(weight) => {
+            LinearWeight::PackedBlocks(Arc::new(PackedBlocks::new(weight)?))
+        }
+        WeightForm::PackedBlocks => bail!(
+            "weight form: packed blocks take Q4_0, Q4_1, Q8_0 or Q4_K weights on the CPU whose \
+             rows are whole blocks, got {:?} {:?} on {:?}",
+            weight.dtype(),
+            weight.shape().dims(),
+            device.location()
+        ),
         WeightForm::StoredRows => bail!(
             "weight form: stored rows take Q4_0, Q4_1, Q8_0, Q4_K or Q6_K weights on the CPU \
              whose rows are whole blocks, got {:?} {:?} on {:?}",
@@ -389,7 +433,7 @@ fn effective_ms(form: WeightForm, measured: Duration) -> f64 {
     match form {
         WeightForm::AsStored | WeightForm::Q8_0 => ms * SPIN_BARRIER_PENALTY,
         WeightForm::StoredRows => ms / STORED_ROWS_JOIN_CREDIT,
-        WeightForm::Q8_0Rows | WeightForm::DenseF32 => ms,
+        WeightForm::Q8_0Rows | WeightForm::DenseF32 | WeightForm::PackedBlocks => ms,
     }
 }
 
@@ -460,6 +504,7 @@ mod tests {
             (WeightForm::Q8_0, 3e-2),
             (WeightForm::Q8_0Rows, 3e-2),
             (WeightForm::StoredRows, 2e-2),
+            (WeightForm::PackedBlocks, 2e-2),
         ] {
             let y = convert(&q, form)?.forward(&x)?;
             let rel = max_abs_diff(&y, &exact)? / scale;
@@ -474,7 +519,8 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (128, 256), &dev)?;
         let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
         let choice = choose(&q, WeightFormPolicy::Measure, &dev, false)?;
-        assert_eq!(choice.timings.len(), 5);
+        let packed = usize::from(Kernel::detect() == Kernel::Vnni);
+        assert_eq!(choice.timings.len(), 5 + packed);
         assert!(!choice.plan.prefill.is_rows_kernel());
         let forms: Vec<_> = choice.timings.iter().map(|t| t.form).collect();
         assert!(forms.contains(&choice.plan.decode) && forms.contains(&choice.plan.prefill));

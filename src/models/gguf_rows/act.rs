@@ -63,18 +63,7 @@ impl QuantizedRows {
             .zip(self.sums.iter_mut())
             .zip(self.half_sums.chunks_exact_mut(2))
         {
-            let max = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = max / 127.0;
-            // A block of zeros (or one whose magnitude is not finite) quantizes to zeros.
-            let inverse = if max > 0.0 && max.is_finite() {
-                127.0 / max
-            } else {
-                0.0
-            };
-            for (q, v) in q.iter_mut().zip(block) {
-                // In [-127, 127]: never -128, so that negating a quant cannot overflow.
-                *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
-            }
+            let scale = quantize_block(block, q);
             let low: i32 = q[..BLOCK / 2].iter().map(|&q| i32::from(q)).sum();
             let high: i32 = q[BLOCK / 2..].iter().map(|&q| i32::from(q)).sum();
             halves.copy_from_slice(&[low, high]);
@@ -113,6 +102,24 @@ impl QuantizedRows {
             half_sums: &self.half_sums[2 * blocks.start..2 * blocks.end],
         }
     }
+}
+
+/// Quantizes one block of `BLOCK` values into `quants`, its largest magnitude mapped to 127;
+/// returns the scale (value ≈ scale × quant).
+#[inline(always)]
+pub fn quantize_block(block: &[f32], quants: &mut [i8]) -> f32 {
+    let max = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // A block of zeros (or one whose magnitude is not finite) quantizes to zeros.
+    let inverse = if max > 0.0 && max.is_finite() {
+        127.0 / max
+    } else {
+        0.0
+    };
+    for (q, v) in quants.iter_mut().zip(block) {
+        // In [-127, 127]: never -128, so that negating a quant cannot overflow.
+        *q = (v * inverse).round().clamp(-127.0, 127.0) as i8;
+    }
+    max / 127.0
 }
 
 /// One quantized input row.

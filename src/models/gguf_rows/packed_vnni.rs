@@ -1,0 +1,93 @@
+//! The AVX-512 VNNI tile of [`super::packed::PackedBlocks`]: `R` input rows × `G` groups of 16
+//! outputs, one block of 32 values at a time. Per run of four values, each group's 64 quant
+//! bytes are loaded once and `vpdpbusd` adds, for every row, the row's four quants (broadcast)
+//! times each output's four into that output's i32 lane. At the end of a block the i32 sums are
+//! scaled into f32 accumulators, with the block's offset times the input block's scaled sum.
+//!
+//! The function is `#[target_feature]`: the caller must have detected the features at run time
+//! (see `super::Kernel::detect`). It checks the lengths of its slices once, before any load.
+
+use std::arch::x86_64::*;
+
+use super::act::BLOCK;
+use super::packed::{TileInputs, GROUP, GROUP_BLOCK_BYTES};
+
+/// Writes the outputs `0..cols` (at most `16 × G`, more than `16 × (G − 1)`) of input rows
+/// `0..R` of the tile to `out`, row `r` at `r × stride`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub fn tile<const R: usize, const G: usize>(
+    t: TileInputs,
+    out: &mut [f32],
+    stride: usize,
+    cols: usize,
+) {
+    let blocks = t.blocks;
+    let row_len = blocks * BLOCK;
+    assert!(
+        t.quants.len() >= G * blocks * GROUP_BLOCK_BYTES
+            && t.scales.len() >= G * blocks * GROUP
+            && t.offsets.len() >= G * blocks * GROUP
+            && t.x_quants.len() >= R * row_len
+            && t.x_scales.len() >= R * blocks
+            && t.x_sums.len() >= R * blocks
+            && cols <= G * GROUP
+            && cols > (G - 1) * GROUP
+            && out.len() >= (R - 1) * stride + cols,
+        "packed blocks: a tile of {R} rows × {cols} outputs over slices too short"
+    );
+    let mut acc = [[_mm512_setzero_ps(); G]; R];
+    for b in 0..blocks {
+        let mut sums = [[_mm512_setzero_si512(); G]; R];
+        for run in 0..BLOCK / 4 {
+            let mut w = [_mm512_setzero_si512(); G];
+            for (j, w) in w.iter_mut().enumerate() {
+                let at = (j * blocks + b) * GROUP_BLOCK_BYTES + run * 4 * GROUP;
+                // SAFETY: `at + 64 <= G × blocks × GROUP_BLOCK_BYTES`, checked above.
+                *w = unsafe { _mm512_loadu_si512(t.quants.as_ptr().add(at).cast()) };
+            }
+            for (r, sums) in sums.iter_mut().enumerate() {
+                let at = r * row_len + b * BLOCK + run * 4;
+                // SAFETY: `at + 4 <= R × row_len`, checked above.
+                let x = unsafe { t.x_quants.as_ptr().add(at).cast::<i32>().read_unaligned() };
+                let x = _mm512_set1_epi32(x);
+                for (s, &w) in sums.iter_mut().zip(&w) {
+                    *s = _mm512_dpbusd_epi32(*s, w, x);
+                }
+            }
+        }
+        let mut scales = [_mm512_setzero_ps(); G];
+        let mut offsets = [_mm512_setzero_ps(); G];
+        for j in 0..G {
+            let at = (j * blocks + b) * GROUP;
+            // SAFETY: `at + 16 <= G × blocks × GROUP`, checked above.
+            unsafe {
+                scales[j] = _mm512_loadu_ps(t.scales.as_ptr().add(at));
+                offsets[j] = _mm512_loadu_ps(t.offsets.as_ptr().add(at));
+            }
+        }
+        for r in 0..R {
+            let x_scale = _mm512_set1_ps(t.x_scales[r * blocks + b]);
+            let x_sum = _mm512_set1_ps(t.x_sums[r * blocks + b]);
+            for j in 0..G {
+                let scale = _mm512_mul_ps(scales[j], x_scale);
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][j]), scale, acc[r][j]);
+                acc[r][j] = _mm512_fmadd_ps(offsets[j], x_sum, acc[r][j]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, &acc) in acc.iter().enumerate() {
+            let left = cols - j * GROUP;
+            let mask: __mmask16 = if left >= GROUP {
+                0xFFFF
+            } else {
+                (1u16 << left) - 1
+            };
+            // SAFETY: lanes under the mask write `r × stride + j × 16 + (0..left)`, below
+            // `(R − 1) × stride + cols <= out.len()`, checked above.
+            unsafe {
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add(r * stride + j * GROUP), mask, acc)
+            };
+        }
+    }
+}

@@ -29,7 +29,7 @@ use std::sync::Arc;
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
-use super::gguf_rows::GgufRows;
+use super::gguf_rows::{GgufRows, PackedBlocks};
 use super::linear::{Linear, RowSplit};
 use crate::nn::attention::{AttentionStep, CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
@@ -138,6 +138,11 @@ impl Rows<'_> {
             Rows::AsDecode => true,
             Rows::Split(_) => false,
         }
+    }
+
+    /// Whether `n` rows are all multiplied in the many-row form.
+    fn many_row_form(self, n: usize) -> bool {
+        matches!(self, Rows::BySize) && n > 1
     }
 
     fn project(self, linear: &Linear, x: &Tensor) -> Result<Tensor> {
@@ -249,6 +254,9 @@ struct SelfAttention {
     /// q, k and v's rows joined in their single-row form (GGUF blocks as stored, no biases):
     /// one product for the three in a decode step, each output what its own projection gives.
     decode_qkv: Option<Arc<GgufRows>>,
+    /// q, k and v's rows joined in their many-row form (GGUF blocks repacked, no biases): one
+    /// product for the three in a prompt, the input quantized once.
+    prompt_qkv: Option<Arc<PackedBlocks>>,
     q_heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -266,9 +274,13 @@ impl SelfAttention {
     ) -> Result<Tensor> {
         let rows = kv.rows();
         let (b, t, _) = x.dims3()?;
-        let (q, k, v) = match &self.decode_qkv {
-            Some(qkv) if rows.single_row_form(b * t) => {
-                let qkv = qkv.forward(x)?;
+        let joined = match (&self.decode_qkv, &self.prompt_qkv) {
+            (Some(qkv), _) if rows.single_row_form(b * t) => Some(qkv.forward(x)?),
+            (_, Some(qkv)) if rows.many_row_form(b * t) => Some(qkv.forward(x)?),
+            _ => None,
+        };
+        let (q, k, v) = match joined {
+            Some(qkv) => {
                 let (q_size, kv_size) =
                     (self.q_heads * self.head_dim, self.kv_heads * self.head_dim);
                 (
@@ -310,6 +322,8 @@ struct Mlp {
     /// Gate and up's rows joined in their single-row form with SiLU(gate) × up applied to the
     /// product (SiLU layers, GGUF blocks as stored): one product in a decode step.
     decode_gate_up: Option<Arc<GgufRows>>,
+    /// The same in their many-row form (GGUF blocks repacked): one product in a prompt.
+    prompt_gate_up: Option<Arc<PackedBlocks>>,
 }
 
 impl Mlp {
@@ -317,6 +331,11 @@ impl Mlp {
         let (b, t, _) = x.dims3()?;
         if let Some(gate_up) = &self.decode_gate_up {
             if rows.single_row_form(b * t) {
+                return rows.project(&self.down_proj, &gate_up.forward(x)?);
+            }
+        }
+        if let Some(gate_up) = &self.prompt_gate_up {
+            if rows.many_row_form(b * t) {
                 return rows.project(&self.down_proj, &gate_up.forward(x)?);
             }
         }
@@ -638,6 +657,7 @@ impl Llama {
                         o_proj: Linear::dense(t.o),
                         qk_norms,
                         decode_qkv: None,
+                        prompt_qkv: None,
                         q_heads: c.num_attention_heads,
                         kv_heads: c.num_key_value_heads,
                         head_dim: c.head_dim,
@@ -649,6 +669,7 @@ impl Llama {
                         down_proj: Linear::dense(t.down),
                         activation: c.mlp_activation(),
                         decode_gate_up: None,
+                        prompt_gate_up: None,
                     },
                     output_norms,
                 })))

@@ -355,43 +355,73 @@ pub(crate) fn linear(weight: QTensor, plan: WeightPlan) -> Result<Linear> {
     }
 }
 
+/// Linear layers of matrices that take the same input, with their joined forms.
+pub(crate) struct JoinedLinears {
+    pub linears: Vec<Linear>,
+    /// Their single-row forms as one [`GgufRows`], when that form is `StoredRows`.
+    pub decode: Option<Arc<GgufRows>>,
+    /// Their many-row forms as one [`PackedBlocks`], when that form is `PackedBlocks`.
+    pub prompt: Option<Arc<PackedBlocks>>,
+}
+
 /// Linear layers for `weights` (one stored type, one `in`) following `plan`. When their
 /// single-row form is `StoredRows`, those forms are views of one [`GgufRows`] joining their
 /// rows, which is returned too: a decode step can multiply them all in one product (q, k and v;
-/// gate and up), each view's outputs what its own product gives.
-pub(crate) fn joined_linears(
-    weights: Vec<QTensor>,
-    plan: WeightPlan,
-) -> Result<(Vec<Linear>, Option<Arc<GgufRows>>)> {
-    let joinable = plan.decode == WeightForm::StoredRows
-        && weights.iter().all(|w| {
-            w.device().is_cpu()
-                && GgufRows::takes(w)
-                && w.dtype() == weights[0].dtype()
-                && w.shape().dims2().ok().map(|d| d.1)
-                    == weights[0].shape().dims2().ok().map(|d| d.1)
-        });
-    if !joinable {
-        let linears = weights
-            .into_iter()
-            .map(|w| linear(w, plan))
-            .collect::<Result<Vec<_>>>()?;
-        return Ok((linears, None));
-    }
-    let joined = GgufRows::joined(&weights.iter().collect::<Vec<_>>())?;
+/// gate and up), each view's outputs what its own product gives. Likewise for a many-row form
+/// `PackedBlocks`: one product for a prompt, its inputs quantized once.
+pub(crate) fn joined_linears(weights: Vec<QTensor>, plan: WeightPlan) -> Result<JoinedLinears> {
+    let same_input = weights.iter().all(|w| {
+        w.device().is_cpu()
+            && w.dtype() == weights[0].dtype()
+            && w.shape().dims2().ok().map(|d| d.1) == weights[0].shape().dims2().ok().map(|d| d.1)
+    });
+    let decode = if same_input
+        && plan.decode == WeightForm::StoredRows
+        && weights.iter().all(GgufRows::takes)
+    {
+        Some(GgufRows::joined(&weights.iter().collect::<Vec<_>>())?)
+    } else {
+        None
+    };
+    let prompt = if same_input
+        && plan.prefill == WeightForm::PackedBlocks
+        && plan.prefill != plan.decode
+        && weights.iter().all(PackedBlocks::takes)
+    {
+        Some(PackedBlocks::joined(&weights.iter().collect::<Vec<_>>())?)
+    } else {
+        None
+    };
     let mut start = 0;
     let mut linears = Vec::with_capacity(weights.len());
     for weight in weights {
         let rows = weight.shape().dims2()?.0;
-        let single = LinearWeight::GgufRows(Arc::new(joined.rows(start, rows)?));
+        let first = start;
         start += rows;
-        linears.push(if plan.prefill == plan.decode {
-            Linear::new(single)
-        } else {
-            Linear::with_forms(single, into_form(weight, plan.prefill)?)
-        });
+        if decode.is_none() && prompt.is_none() {
+            linears.push(linear(weight, plan)?);
+            continue;
+        }
+        let single = match &decode {
+            Some(joined) => LinearWeight::GgufRows(Arc::new(joined.rows(first, rows)?)),
+            None => convert(&weight, plan.decode)?,
+        };
+        if plan.prefill == plan.decode {
+            linears.push(Linear::new(single));
+            continue;
+        }
+        // A view of the joined prompt form where the rows start one of its groups.
+        let many = match prompt.as_ref().map(|joined| joined.rows(first, rows)) {
+            Some(Ok(view)) => LinearWeight::PackedBlocks(Arc::new(view)),
+            _ => into_form(weight, plan.prefill)?,
+        };
+        linears.push(Linear::with_forms(single, many));
     }
-    Ok((linears, Some(Arc::new(joined))))
+    Ok(JoinedLinears {
+        linears,
+        decode: decode.map(Arc::new),
+        prompt: prompt.map(Arc::new),
+    })
 }
 
 /// Whether `form` uses `weight`'s blocks unchanged.

@@ -15,6 +15,9 @@
 //! terms in the same order whatever the rows beside it, so a row's product does not depend on
 //! how the rows were split over threads.
 
+use std::cell::RefCell;
+use std::sync::Arc;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -32,11 +35,22 @@ const TILE_ROWS: usize = 4;
 /// Below this many multiply-adds a product runs on the calling thread alone.
 const PARALLEL_MIN_MACS: usize = 1 << 20;
 
-/// The packed blocks of a quantized `(out, in)` weight.
+/// The packed blocks of a quantized `(out, in)` weight: outputs `first_group × GROUP..` of a
+/// store that views may share (a layer's q, k and v are views of their joined rows).
 #[derive(Debug, Clone)]
 pub struct PackedBlocks {
+    store: Arc<Store>,
+    first_group: usize,
     out_features: usize,
     in_features: usize,
+    /// Output `silu(y[..h]) × y[h..]` (h = out / 2) instead of `y`: a joined gate/up product
+    /// that hands the down projection its input.
+    silu_mul: bool,
+}
+
+/// The packed values of one or more weights' rows.
+#[derive(Debug)]
+struct Store {
     /// Per group of `GROUP` outputs (the last one padded with zeros), per block: for each run
     /// of four values, the four quants of each output in turn.
     quants: Vec<u8>,
@@ -60,7 +74,7 @@ struct Inputs {
 pub struct TileInputs<'a> {
     /// Blocks per row.
     pub blocks: usize,
-    /// From the first group of the tile on (see [`PackedBlocks`]).
+    /// From the first group of the tile on (see [`Store`]).
     pub quants: &'a [u8],
     pub scales: &'a [f32],
     pub offsets: &'a [f32],
@@ -69,6 +83,11 @@ pub struct TileInputs<'a> {
     /// Per block, from the first input row of the tile on.
     pub x_scales: &'a [f32],
     pub x_sums: &'a [f32],
+}
+
+thread_local! {
+    /// A worker's products of a joined gate/up chunk, before SiLU(gate) × up.
+    static GATE_UP: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 impl PackedBlocks {
@@ -85,50 +104,123 @@ impl PackedBlocks {
 
     /// Repacks the blocks of `weight` (no rounding: every value is the stored one).
     pub fn new(weight: &QTensor) -> Result<Self> {
-        let dtype = weight.dtype();
+        Self::joined(&[weight])
+    }
+
+    /// The rows of `weights` one after another, repacked: one product for several matrices
+    /// that take the same input (q, k and v; gate and up). They must share a type and `in`.
+    pub fn joined(weights: &[&QTensor]) -> Result<Self> {
+        let Some(first) = weights.first() else {
+            bail!("packed blocks: no weights given")
+        };
+        let dtype = first.dtype();
         let format = match Format::of(dtype) {
             Some(f @ (Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K)) => f,
             _ => bail!("packed blocks: GGUF type {dtype:?} is not one of Q4_0, Q4_1, Q8_0, Q4_K"),
         };
-        let (n, k) = weight.shape().dims2()?;
-        if n == 0 || k == 0 || !k.is_multiple_of(format.block_values()) {
+        let (_, k) = first.shape().dims2()?;
+        if k == 0 || !k.is_multiple_of(format.block_values()) {
             bail!(
-                "packed blocks: a {n}x{k} {dtype:?} weight: rows must be whole blocks of {}",
+                "packed blocks: in_features ({k}) must be a positive multiple of {dtype:?}'s \
+                 block ({})",
                 format.block_values()
             )
         }
         let row_bytes = k / format.block_values() * format.block_bytes();
-        let bytes = weight.data()?;
-        if bytes.len() != n * row_bytes {
-            bail!(
-                "packed blocks: a {n}x{k} {dtype:?} weight holds {} bytes, expected {}",
-                bytes.len(),
-                n * row_bytes
-            )
+        let mut rows = Vec::with_capacity(weights.len());
+        for weight in weights {
+            let (n, in_features) = weight.shape().dims2()?;
+            if weight.dtype() != dtype || in_features != k || n == 0 {
+                bail!(
+                    "packed blocks: joined weights must share type and in_features: {:?} \
+                     {n}x{in_features} after {dtype:?} x {k}",
+                    weight.dtype()
+                )
+            }
+            let bytes = weight.data()?;
+            if bytes.len() != n * row_bytes {
+                bail!(
+                    "packed blocks: a {n}x{k} {dtype:?} weight holds {} bytes, expected {}",
+                    bytes.len(),
+                    n * row_bytes
+                )
+            }
+            rows.push(bytes);
         }
+        let n: usize = rows.iter().map(|bytes| bytes.len() / row_bytes).sum();
         let blocks = k / BLOCK;
         let groups = n.div_ceil(GROUP);
-        let mut packed = Self {
-            out_features: n,
-            in_features: k,
+        let mut store = Store {
             quants: vec![0; groups * blocks * GROUP_BLOCK_BYTES],
             scales: vec![0.0; groups * blocks * GROUP],
             offsets: vec![0.0; groups * blocks * GROUP],
         };
-        for (o, row) in bytes.chunks_exact(row_bytes).enumerate() {
+        let all_rows = rows.iter().flat_map(|bytes| bytes.chunks_exact(row_bytes));
+        for (o, row) in all_rows.enumerate() {
             let (group, lane) = (o / GROUP, o % GROUP);
             unsigned_blocks(format, row, |b, quants, scale, offset| {
                 let at = group * blocks + b;
                 let base = at * GROUP_BLOCK_BYTES + lane * 4;
                 for (run, four) in quants.chunks_exact(4).enumerate() {
                     let to = base + run * GROUP * 4;
-                    packed.quants[to..to + 4].copy_from_slice(four);
+                    store.quants[to..to + 4].copy_from_slice(four);
                 }
-                packed.scales[at * GROUP + lane] = scale;
-                packed.offsets[at * GROUP + lane] = offset;
+                store.scales[at * GROUP + lane] = scale;
+                store.offsets[at * GROUP + lane] = offset;
             });
         }
-        Ok(packed)
+        Ok(Self {
+            store: Arc::new(store),
+            first_group: 0,
+            out_features: n,
+            in_features: k,
+            silu_mul: false,
+        })
+    }
+
+    /// Rows `start..start + count` of this weight, sharing its blocks: `start` must begin a
+    /// group of `GROUP` rows.
+    pub fn rows(&self, start: usize, count: usize) -> Result<Self> {
+        if self.silu_mul
+            || start + count > self.out_features
+            || count == 0
+            || !start.is_multiple_of(GROUP)
+        {
+            bail!(
+                "packed blocks: no view of rows {start}..{} of {} (views start at multiples of \
+                 {GROUP})",
+                start + count,
+                self.out_features
+            )
+        }
+        Ok(Self {
+            store: Arc::clone(&self.store),
+            first_group: self.first_group + start / GROUP,
+            out_features: count,
+            ..*self
+        })
+    }
+
+    /// The same rows with outputs `silu(y[..h]) × y[h..]`, h = out / 2: for the rows of a gate
+    /// projection followed by those of an up projection.
+    pub fn with_silu_mul(mut self) -> Result<Self> {
+        if !self.out_features.is_multiple_of(2) {
+            bail!(
+                "packed blocks: SiLU(gate) × up needs an even number of rows, got {}",
+                self.out_features
+            )
+        }
+        self.silu_mul = true;
+        Ok(self)
+    }
+
+    /// Output values per input row.
+    fn outputs(&self) -> usize {
+        if self.silu_mul {
+            self.out_features / 2
+        } else {
+            self.out_features
+        }
     }
 
     /// `x (…, in)` → `(…, out)`, f32 on the CPU.
@@ -136,10 +228,10 @@ impl PackedBlocks {
         x.apply_op1_no_bwd(self)
     }
 
-    /// `out[r * out_features + o] = weight row o · input row r` for the rows of `x` (a multiple
-    /// of `in_features` long), with `kernel` (which must run here).
+    /// `out[r * outputs + o]` = weight row o · input row r for the rows of `x` (a multiple of
+    /// `in_features` long), or SiLU(gate) × up of them, with `kernel` (which must run here).
     pub fn products(&self, kernel: Kernel, x: &[f32], out: &mut [f32]) -> Result<()> {
-        let (n, k) = (self.out_features, self.in_features);
+        let (n, k) = (self.outputs(), self.in_features);
         if !x.len().is_multiple_of(k) {
             bail!(
                 "packed blocks: input of {} values is not rows of {k}",
@@ -159,7 +251,7 @@ impl PackedBlocks {
         if rows == 0 {
             return Ok(());
         }
-        let parallel = rows * n * k >= PARALLEL_MIN_MACS;
+        let parallel = rows * self.out_features * k >= PARALLEL_MIN_MACS;
         let inputs = quantize(x, k, parallel);
         // Enough chunks of rows that a descheduled worker's share is soon taken over, each a
         // whole number of tiles.
@@ -171,8 +263,24 @@ impl PackedBlocks {
         let chunk = rows
             .div_ceil(4 * threads)
             .next_multiple_of(TILE_ROWS)
-            .clamp(TILE_ROWS, 64);
-        let run = |(c, out): (usize, &mut [f32])| self.chunk(kernel, &inputs, c * chunk, out);
+            .clamp(TILE_ROWS, 32);
+        let run = |(c, out): (usize, &mut [f32])| {
+            if self.silu_mul {
+                GATE_UP.with(|held| {
+                    let mut own = Vec::new();
+                    let mut held = held.try_borrow_mut();
+                    let gate_up = match held.as_deref_mut() {
+                        Ok(held) => held,
+                        Err(_) => &mut own,
+                    };
+                    gate_up.resize(out.len() * 2, 0.0);
+                    self.chunk(kernel, &inputs, c * chunk, gate_up);
+                    silu_mul(gate_up, out, n);
+                })
+            } else {
+                self.chunk(kernel, &inputs, c * chunk, out)
+            }
+        };
         if parallel {
             out.par_chunks_mut(chunk * n).enumerate().for_each(run);
         } else {
@@ -181,21 +289,23 @@ impl PackedBlocks {
         Ok(())
     }
 
-    /// The outputs of input rows `first..` into `out` (whole rows of `out_features`).
+    /// The products of input rows `first..` into `out` (whole rows of `out_features`).
     fn chunk(&self, kernel: Kernel, inputs: &Inputs, first: usize, out: &mut [f32]) {
         let (n, blocks) = (self.out_features, self.in_features / BLOCK);
         let rows = out.len() / n;
         let groups = n.div_ceil(GROUP);
+        let store = &*self.store;
         for g in (0..groups).step_by(2) {
             let cols = (n - g * GROUP).min(2 * GROUP);
+            let group = self.first_group + g;
             let mut r = 0;
             while r < rows {
                 let row = first + r;
-                let tile = TileInputs {
+                let tile_inputs = TileInputs {
                     blocks,
-                    quants: &self.quants[g * blocks * GROUP_BLOCK_BYTES..],
-                    scales: &self.scales[g * blocks * GROUP..],
-                    offsets: &self.offsets[g * blocks * GROUP..],
+                    quants: &store.quants[group * blocks * GROUP_BLOCK_BYTES..],
+                    scales: &store.scales[group * blocks * GROUP..],
+                    offsets: &store.offsets[group * blocks * GROUP..],
                     x_quants: &inputs.quants[row * blocks * BLOCK..],
                     x_scales: &inputs.scales[row * blocks..],
                     x_sums: &inputs.sums[row * blocks..],
@@ -205,24 +315,32 @@ impl PackedBlocks {
                 r += if tiled { TILE_ROWS } else { 1 };
                 #[cfg(target_arch = "x86_64")]
                 if kernel == Kernel::Vnni {
+                    use super::packed_vnni::tile;
                     // SAFETY: `kernel` runs here (checked by `products`), so the VNNI features
                     // were detected; the function checks its slices before loading.
                     unsafe {
                         match (tiled, cols > GROUP) {
-                            (true, true) => {
-                                super::packed_vnni::tile::<TILE_ROWS, 2>(tile, out, n, cols)
-                            }
-                            (true, false) => {
-                                super::packed_vnni::tile::<TILE_ROWS, 1>(tile, out, n, cols)
-                            }
-                            (false, true) => super::packed_vnni::tile::<1, 2>(tile, out, n, cols),
-                            (false, false) => super::packed_vnni::tile::<1, 1>(tile, out, n, cols),
+                            (true, true) => tile::<TILE_ROWS, 2>(tile_inputs, out, n, cols),
+                            (true, false) => tile::<TILE_ROWS, 1>(tile_inputs, out, n, cols),
+                            (false, true) => tile::<1, 2>(tile_inputs, out, n, cols),
+                            (false, false) => tile::<1, 1>(tile_inputs, out, n, cols),
                         }
                     }
                     continue;
                 }
-                tile_portable(tile, if tiled { TILE_ROWS } else { 1 }, out, n, cols);
+                tile_portable(tile_inputs, if tiled { TILE_ROWS } else { 1 }, out, n, cols);
             }
+        }
+    }
+}
+
+/// `out[r][o] = silu(gate_up[r][o]) × gate_up[r][h + o]`, rows of `h` outputs: candle's SiLU
+/// (x / (1 + e^−x)) then the product, as the unjoined layers compute it.
+fn silu_mul(gate_up: &[f32], out: &mut [f32], h: usize) {
+    for (y, out) in gate_up.chunks_exact(2 * h).zip(out.chunks_exact_mut(h)) {
+        let (gate, up) = y.split_at(h);
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
         }
     }
 }
@@ -297,6 +415,14 @@ fn quantize(x: &[f32], k: usize, parallel: bool) -> Inputs {
 /// [`quantize_block`] over whole blocks, with each block's scale × Σ quants.
 fn quantize_rows(x: &[f32], quants: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
+        // SAFETY: the features were detected just above; the function checks its slices.
+        unsafe { super::packed_vnni::quantize_rows(x, quants, scales, sums) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 was detected; the function is the portable code compiled with it.
         unsafe { quantize_rows_avx2(x, quants, scales, sums) };
@@ -361,11 +487,11 @@ impl CustomOp1 for PackedBlocks {
             self.in_features,
         )?;
         let rows = x.len() / self.in_features;
-        let mut out = vec![0f32; rows * self.out_features];
+        let mut out = vec![0f32; rows * self.outputs()];
         self.products(Kernel::detect(), x, &mut out)?;
         let mut shape = layout.dims().to_vec();
         if let Some(last) = shape.last_mut() {
-            *last = self.out_features;
+            *last = self.outputs();
         }
         Ok((CpuStorage::F32(out), Shape::from(shape)))
     }
@@ -469,6 +595,42 @@ mod tests {
             GgmlDType::Q6K,
         )?;
         assert!(!PackedBlocks::takes(&q6) && PackedBlocks::new(&q6).is_err());
+        assert!(packed.rows(8, 16).is_err() && packed.rows(192, 16).is_err());
+        Ok(())
+    }
+
+    /// Joined weights and their views give each part's products; SiLU(gate) × up of a joined
+    /// gate/up is that of the parts' products.
+    #[test]
+    fn joined_views_and_silu_mul_equal_the_parts() -> Result<()> {
+        let dev = Device::Cpu;
+        let k = 192;
+        let part = |seed, n| -> Result<QTensor> {
+            QTensor::quantize(
+                &Tensor::from_vec(values(seed, n * k, 1.0), (n, k), &dev)?,
+                GgmlDType::Q4_1,
+            )
+        };
+        let (a, b) = (part(1, 48)?, part(2, 48)?);
+        let joined = PackedBlocks::joined(&[&a, &b])?;
+        let x = Tensor::from_vec(values(5, 9 * k, 2.0), (9, k), &dev)?;
+        let all = joined.forward(&x)?;
+        let (ya, yb) = (
+            PackedBlocks::new(&a)?.forward(&x)?,
+            PackedBlocks::new(&b)?.forward(&x)?,
+        );
+        assert_eq!(
+            all.to_vec2::<f32>()?,
+            Tensor::cat(&[&ya, &yb], 1)?.to_vec2::<f32>()?
+        );
+        assert_eq!(
+            joined.rows(48, 48)?.forward(&x)?.to_vec2::<f32>()?,
+            yb.to_vec2::<f32>()?
+        );
+        let activated = joined.with_silu_mul()?.forward(&x)?;
+        let want = (candle_nn::ops::silu(&ya)? * &yb)?;
+        let diff = (activated - want)?.abs()?.flatten_all()?.max(0)?;
+        assert!(diff.to_scalar::<f32>()? < 1e-5);
         Ok(())
     }
 }

@@ -91,3 +91,54 @@ pub fn tile<const R: usize, const G: usize>(
         }
     }
 }
+
+/// Quantizes whole blocks of `x` into `quants`, with each block's scale (largest magnitude /
+/// 127) and scale × Σ quants, as `super::act::quantize_block` does but rounding halves to even.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub fn quantize_rows(x: &[f32], quants: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    let blocks = x.len() / BLOCK;
+    assert!(
+        quants.len() >= blocks * BLOCK && scales.len() >= blocks && sums.len() >= blocks,
+        "packed blocks: quantized input buffers too short for {blocks} blocks"
+    );
+    let magnitude = _mm512_set1_epi32(0x7FFF_FFFF);
+    for b in 0..blocks {
+        // SAFETY: block `b` lies inside `x` and `quants` (`blocks` whole blocks, checked above).
+        unsafe {
+            let lo = _mm512_loadu_ps(x.as_ptr().add(b * BLOCK));
+            let hi = _mm512_loadu_ps(x.as_ptr().add(b * BLOCK + 16));
+            let abs = |v: __m512| {
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude))
+            };
+            let max = _mm512_reduce_max_ps(_mm512_max_ps(abs(lo), abs(hi)));
+            // A block of zeros (or one whose magnitude is not finite) quantizes to zeros.
+            let inverse = if max > 0.0 && max.is_finite() {
+                127.0 / max
+            } else {
+                0.0
+            };
+            let inverse = _mm512_set1_ps(inverse);
+            let q_lo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse));
+            let q_hi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse));
+            // Within ±127 (the largest magnitude maps to 127); saturation keeps NaN lanes in range.
+            let clamp = |q: __m512i| {
+                _mm512_max_epi32(
+                    _mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                    _mm512_set1_epi32(-127),
+                )
+            };
+            let (q_lo, q_hi) = (clamp(q_lo), clamp(q_hi));
+            _mm_storeu_si128(
+                quants.as_mut_ptr().add(b * BLOCK).cast(),
+                _mm512_cvtsepi32_epi8(q_lo),
+            );
+            _mm_storeu_si128(
+                quants.as_mut_ptr().add(b * BLOCK + 16).cast(),
+                _mm512_cvtsepi32_epi8(q_hi),
+            );
+            let scale = max / 127.0;
+            scales[b] = scale;
+            sums[b] = scale * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)) as f32;
+        }
+    }
+}

@@ -21,7 +21,9 @@ use super::{
     RopeLayout, SelfAttention, Weights,
 };
 use crate::models::linear::Linear;
-use crate::models::weight_form::{self, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan};
+use crate::models::weight_form::{
+    self, JoinedLinears, WeightChoice, WeightForm, WeightFormPolicy, WeightPlan,
+};
 
 /// The per-layer matrices, by their GGUF names.
 const LAYER_MATRICES: [&str; 7] = [
@@ -369,24 +371,39 @@ fn weights_in_chosen_forms(
         };
         // Matrices that take the same input, joined for decode steps where they share a form.
         let (qkv_plan, gate_up_plan) = (plan_of(&m.q)?, plan_of(&m.gate)?);
-        let (qkv, decode_qkv) =
-            if biases.is_none() && [&m.k, &m.v].iter().all(|t| t.dtype() == m.q.dtype()) {
-                weight_form::joined_linears(vec![m.q, m.k, m.v], qkv_plan)?
-            } else {
-                (vec![matrix(m.q)?, matrix(m.k)?, matrix(m.v)?], None)
-            };
+        let qkv = if biases.is_none() && [&m.k, &m.v].iter().all(|t| t.dtype() == m.q.dtype()) {
+            weight_form::joined_linears(vec![m.q, m.k, m.v], qkv_plan)?
+        } else {
+            JoinedLinears {
+                linears: vec![matrix(m.q)?, matrix(m.k)?, matrix(m.v)?],
+                decode: None,
+                prompt: None,
+            }
+        };
         let activation = config.mlp_activation();
-        let (gate_up, joined_gate_up) = if m.up.dtype() == m.gate.dtype() {
+        let gate_up = if m.up.dtype() == m.gate.dtype() {
             weight_form::joined_linears(vec![m.gate, m.up], gate_up_plan)?
         } else {
-            (vec![matrix(m.gate)?, matrix(m.up)?], None)
-        };
-        let decode_gate_up = match joined_gate_up {
-            Some(rows) if activation == candle_nn::Activation::Silu => {
-                Some(Arc::new(Arc::unwrap_or_clone(rows).with_silu_mul()?))
+            JoinedLinears {
+                linears: vec![matrix(m.gate)?, matrix(m.up)?],
+                decode: None,
+                prompt: None,
             }
-            _ => None,
         };
+        let silu = activation == candle_nn::Activation::Silu;
+        let (decode_gate_up, prompt_gate_up) = match (gate_up.decode, gate_up.prompt) {
+            (decode, prompt) if silu => (
+                decode
+                    .map(|rows| Arc::unwrap_or_clone(rows).with_silu_mul().map(Arc::new))
+                    .transpose()?,
+                prompt
+                    .map(|rows| Arc::unwrap_or_clone(rows).with_silu_mul().map(Arc::new))
+                    .transpose()?,
+            ),
+            _ => (None, None),
+        };
+        let (decode_qkv, prompt_qkv) = (qkv.decode, qkv.prompt);
+        let (qkv, gate_up) = (qkv.linears, gate_up.linears);
         let [q_proj, k_proj, v_proj]: [Linear; 3] = qkv
             .try_into()
             .map_err(|_| candle_core::Error::Msg("model: q/k/v not three".into()))?;
@@ -410,6 +427,7 @@ fn weights_in_chosen_forms(
                 v_proj,
                 o_proj: matrix(m.o)?,
                 decode_qkv,
+                prompt_qkv,
                 q_heads: config.num_attention_heads,
                 kv_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
@@ -421,6 +439,7 @@ fn weights_in_chosen_forms(
                 down_proj: matrix(m.down)?,
                 activation,
                 decode_gate_up,
+                prompt_gate_up,
             },
             output_norms,
         })));

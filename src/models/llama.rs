@@ -31,6 +31,7 @@ use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::gguf_rows::{GgufRows, PackedBlocks};
 use super::linear::{Linear, RowSplit};
+use super::residual;
 use crate::nn::attention::{AttentionStep, CachedAttention, DeviceLengths};
 use crate::nn::cache::{KvCache, KvCacheConfig};
 use crate::nn::paged_cache::{MixedStep, PagedKvCache, PagedStep};
@@ -379,14 +380,14 @@ impl DecoderLayer {
         if let Some(norms) = &self.output_norms {
             h = norms.attention.forward(&h)?;
         }
-        let x = (x + h)?;
+        let x = residual::add(x, &h)?;
         let mut h = self
             .mlp
             .forward(&self.post_attention_norm.forward(&x)?, rows)?;
         if let Some(norms) = &self.output_norms {
             h = norms.mlp.forward(&h)?;
         }
-        x + h
+        residual::add(&x, &h)
     }
 }
 

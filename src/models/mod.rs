@@ -4,5 +4,6 @@ mod gguf_rows;
 mod linear;
 pub mod llama;
 mod q8_rows;
+mod residual;
 pub mod speculative;
 mod weight_form;

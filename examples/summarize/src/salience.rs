@@ -15,7 +15,7 @@ use super::centrality::{cosine, lexrank, terms, tfidf_vectors};
 use super::mentions::{mentions, Mention};
 use super::model_salience::ModelSalience;
 use super::pronoun_subjects::opens_with_pronoun;
-use super::sentences::{is_definition, opens_with_capital, sentence_spans, words_in};
+use super::sentences::{opens_with_capital, sentence_spans, words_in};
 use super::stray_quotes::without_stray_quotes;
 
 /// Fragments shorter than this many words (list markers, captions) are not selected.
@@ -49,23 +49,20 @@ const MODEL_WEIGHT: f64 = 0.3;
 /// How much likeness to a sentence already picked takes off (maximal marginal relevance).
 const REDUNDANCY_WEIGHT: f64 = 0.7;
 
-/// Headings of a document's own overview, lowercase, in the languages of the evaluation set.
+/// Headings of a document's own overview, lowercase, in the languages of the evaluation set. A
+/// conclusion is not one: it comes after the body and states less of it.
 const OVERVIEW_HEADINGS: &[&str] = &[
     "abstract",
     "summary",
     "overview",
     "key findings",
     "executive",
-    "conclusion",
-    "findings",
     "resumen",
-    "conclusiones",
     "r\u{e9}sum\u{e9}",
     "zusammenfassung",
     "\u{6458}\u{8981}",
     "\u{6982}\u{8981}",
     "\u{603b}\u{7ed3}",
-    "\u{7ed3}\u{8bba}",
 ];
 
 /// One fact a sentence states, by the words that identify it: a number, or a name of one or
@@ -73,12 +70,13 @@ const OVERVIEW_HEADINGS: &[&str] = &[
 /// of several words is one fact, as much as a one-word name is.
 type Fact = Vec<String>;
 
-/// The facts a sentence states, as selection counts them: numbers other than small integers, and
-/// names inside the sentence (any word opening it is capitalized).
+/// The facts a sentence states, as selection counts them: numbers other than small integers that
+/// are no percentage, and names inside the sentence (any word opening it is capitalized).
 fn facts_of(sentence: &str) -> Vec<Fact> {
     let mut facts = Vec::new();
     let mut name: Fact = Vec::new();
-    for (position, word) in sentence.split_whitespace().enumerate() {
+    let words: Vec<&str> = sentence.split_whitespace().collect();
+    for (position, &word) in words.iter().enumerate() {
         let mut capitalized = false;
         if let Some(number) = decimal_comma(word) {
             facts.push(vec![number]);
@@ -90,7 +88,7 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
                     let small = number
                         .parse::<u64>()
                         .is_ok_and(|integer| integer < MIN_SALIENT_INTEGER);
-                    if !small {
+                    if !small || is_percentage(word, &words[position + 1..]) {
                         facts.push(vec![number]);
                     }
                 }
@@ -113,6 +111,16 @@ fn facts_of(sentence: &str) -> Vec<Fact> {
         facts.push(name);
     }
     facts
+}
+
+/// Whether the number `word` writes is a percentage, by its sign or the words `following` it
+/// (`12%`, `12 per cent`, `12 percent`, `12 por ciento`): a figure, however small.
+fn is_percentage(word: &str, following: &[&str]) -> bool {
+    let next = |i: usize| following.get(i).map_or(String::new(), |w| w.to_lowercase());
+    word.contains('%')
+        || next(0).starts_with("percent")
+        || (["per", "por"].contains(&next(0).as_str())
+            && (next(1).starts_with("cent") || next(1).starts_with("ciento")))
 }
 
 /// The number a word writes with a decimal comma (`3,2` and `48,7` in most European languages),
@@ -170,7 +178,6 @@ fn candidates(text: &str, token_starts: &[usize], model: Option<&ModelSalience>)
         let sentence = without_stray_quotes(&raw.split_whitespace().collect::<Vec<_>>().join(" "));
         let statement = sentence.ends_with(STATEMENT_ENDS)
             && opens_with_capital(&sentence)
-            && !is_definition(&sentence)
             // A sentence whose subject is a pronoun leans on the one before it.
             && !opens_with_pronoun(&sentence)
             && words_in(&sentence) >= MIN_SENTENCE_WORDS;
@@ -367,6 +374,15 @@ mod tests {
         assert_eq!(decimal_comma("4,200"), None);
         assert_eq!(decimal_comma("a,b"), None);
         assert_eq!(decimal_comma(",5"), None);
+        // A small percentage is a figure; a small count or ordinal is not.
+        assert_eq!(
+            facts_of("In section 5, 12 per cent and 7% of the 3 sites fell."),
+            [vec!["12".to_string()], vec!["7".to_string()]]
+        );
+        assert_eq!(
+            facts_of("Two of the 3 sites fell by 4 percentage points."),
+            [vec!["4".to_string()]]
+        );
         // A small decimal is a fact; the integers each side of the comma alone would not be.
         assert_eq!(
             facts_of("La tasa de agua sube un 3,2 por ciento."),

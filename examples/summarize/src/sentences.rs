@@ -22,9 +22,16 @@ pub(crate) fn sentence_spans(text: &str) -> Vec<Range<usize>> {
     let mut pieces = Vec::new();
     let mut start = 0;
     let mut at = 0;
+    // A heading is one piece to its line's end: `## 2. Methods` is no sentence `2.` and another.
+    let mut heading_end = 0;
     while let Some(c) = text[at..].chars().next() {
+        if at == start && text[at..].starts_with('#') {
+            heading_end = text[at..].find('\n').map_or(text.len(), |i| at + i);
+        }
         let end = if c == '\n' && line_break_ends_block(text, at) {
             Some(at + 1)
+        } else if at < heading_end {
+            None
         } else {
             sentence_end_at(text, at)
         };
@@ -160,6 +167,22 @@ pub(crate) fn is_definition(sentence: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_numbered_heading_is_one_piece() {
+        assert_eq!(
+            sentences(
+                "## 2. Methods\n\nWe met. Then left.\n### 2.1 Site: Dr. Lee's farm\nIt rained."
+            ),
+            [
+                "## 2. Methods\n\n",
+                "We met. ",
+                "Then left.\n",
+                "### 2.1 Site: Dr. Lee's farm\n",
+                "It rained."
+            ]
+        );
+    }
 
     #[test]
     fn cuts_after_sentence_ends_and_line_breaks() {

@@ -70,7 +70,8 @@ struct Args {
     #[arg(long, default_value_t = 2048)]
     loglik_tokens: usize,
     /// Instead of timing: 16 greedy tokens after each of the default-model test prompts
-    /// (`tests/cpu/batched_llama.rs`), with the gap between the two largest logits at each pick.
+    /// (`tests/cpu/batched_llama.rs`), with the gap between the two largest logits at each pick
+    /// and the runner-up token.
     #[arg(long)]
     greedy: bool,
 }
@@ -91,8 +92,12 @@ fn mean_log_likelihood(model: &mut Llama, tokens: &[u32]) -> Result<f64> {
 }
 
 /// `steps` greedy tokens after `prompt`, each with the gap between its logit and the next
-/// largest.
-fn greedy_with_gaps(model: &mut Llama, prompt: &[u32], steps: usize) -> Result<Vec<(u32, f32)>> {
+/// largest and the token that had it.
+fn greedy_with_gaps(
+    model: &mut Llama,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<Vec<(u32, f32, u32)>> {
     model.reset();
     let mut logits = model.forward(prompt)?;
     let mut out = Vec::with_capacity(steps);
@@ -101,7 +106,7 @@ fn greedy_with_gaps(model: &mut Llama, prompt: &[u32], steps: usize) -> Result<V
         let mut order: Vec<usize> = (0..row.len()).collect();
         order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
         let next = order[0] as u32;
-        out.push((next, row[order[0]] - row[order[1]]));
+        out.push((next, row[order[0]] - row[order[1]], order[1] as u32));
         logits = model.forward(&[next])?;
     }
     Ok(out)
@@ -286,12 +291,13 @@ fn main() -> Result<()> {
             let picks = greedy_with_gaps(&mut model, &prompt, 16)?;
             let tokens: Vec<u32> = picks.iter().map(|p| p.0).collect();
             let gaps: Vec<String> = picks.iter().map(|p| format!("{:.3}", p.1)).collect();
+            let runners_up: Vec<u32> = picks.iter().map(|p| p.2).collect();
             let decoded = loaded
                 .tokenizer
                 .decode(&tokens, true)
                 .map_err(anyhow::Error::msg)?;
             println!(
-                "{{\"kind\":\"greedy\",\"weight_form\":\"{}\",\"prompt\":{:?},\"tokens\":{tokens:?},\"gaps\":[{}],\"text\":{:?}}}",
+                "{{\"kind\":\"greedy\",\"weight_form\":\"{}\",\"prompt\":{:?},\"tokens\":{tokens:?},\"gaps\":[{}],\"runners_up\":{runners_up:?},\"text\":{:?}}}",
                 args.weight_form,
                 text,
                 gaps.join(","),

@@ -329,22 +329,32 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor, rows: Rows<'_>) -> Result<Tensor> {
+        rows.project(&self.down_proj, &self.activated(x, rows)?)
+    }
+
+    /// The down projection's input: `activation(gate) × up`.
+    fn activated(&self, x: &Tensor, rows: Rows<'_>) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         if let Some(gate_up) = &self.decode_gate_up {
             if rows.single_row_form(b * t) {
-                return rows.project(&self.down_proj, &gate_up.forward(x)?);
+                return gate_up.forward(x);
             }
         }
         if let Some(gate_up) = &self.prompt_gate_up {
             if rows.many_row_form(b * t) {
-                return rows.project(&self.down_proj, &gate_up.forward(x)?);
+                return gate_up.forward(x);
+            }
+            // Prompt rows beside decode rows go through the same joined product as a prompt
+            // alone: its SiLU rounds unlike candle's, and 8-bit inputs would carry the
+            // difference into later layers.
+            if let Rows::Split(split) = rows {
+                let single = self.activated(&x.index_select(&split.single, 1)?, Rows::AsDecode)?;
+                let many = gate_up.forward(&x.index_select(&split.many, 1)?)?;
+                return Tensor::cat(&[single, many], 1)?.index_select(&split.order, 1);
             }
         }
         let gate = rows.project(&self.gate_proj, x)?.apply(&self.activation)?;
-        rows.project(
-            &self.down_proj,
-            &gate.mul(&rows.project(&self.up_proj, x)?)?,
-        )
+        gate.mul(&rows.project(&self.up_proj, x)?)
     }
 }
 

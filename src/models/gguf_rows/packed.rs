@@ -551,11 +551,11 @@ mod tests {
                 for r in 0..rows {
                     for o in 0..n {
                         let (mut exact, mut magnitude) = (0f64, 0f64);
-                        for i in 0..k {
+                        for (i, &w) in dense[o].iter().enumerate() {
                             let xi = f64::from(inputs.scales[r * k / BLOCK + i / BLOCK])
                                 * f64::from(inputs.quants[r * k + i]);
-                            exact += f64::from(dense[o][i]) * xi;
-                            magnitude += (f64::from(dense[o][i]) * xi).abs();
+                            exact += f64::from(w) * xi;
+                            magnitude += (f64::from(w) * xi).abs();
                         }
                         let y = f64::from(got[r * n + o]);
                         assert!(

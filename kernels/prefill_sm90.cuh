@@ -88,13 +88,19 @@ __device__ __forceinline__ float quad_max4(float x) {
 // for i < COUNT / 2), reduced as a tree.
 template <int COUNT, int R> __device__ __forceinline__ float tree_max(const float (&s)[R], int h) {
     static_assert((COUNT & (COUNT - 1)) == 0 && COUNT >= 2 && 2 * COUNT == R, "a power-of-two half");
+    constexpr int LEVELS = COUNT >= 32 ? 4 : COUNT >= 16 ? 3 : COUNT >= 8 ? 2 : COUNT >= 4 ? 1 : 0;  // COUNT / 2 → 1
+    static_assert(COUNT <= 32 && (COUNT / 2) >> LEVELS == 1, "halvings from COUNT / 2 values to one");
     float m[COUNT / 2];
 #pragma unroll
     for (int i = 0; i < COUNT / 2; ++i) m[i] = fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
+    // A fixed trip count at every level, so that every index is a constant and m stays in registers.
 #pragma unroll
-    for (int width = COUNT / 4; width >= 1; width /= 2)
+    for (int level = 0; level < LEVELS; ++level) {
+        const int width = (COUNT / 4) >> level;
 #pragma unroll
-        for (int i = 0; i < width; ++i) m[i] = fmaxf(m[i], m[i + width]);
+        for (int i = 0; i < COUNT / 4; ++i)
+            if (i < width) m[i] = fmaxf(m[i], m[i + width]);
+    }
     return m[0];
 }
 __device__ __forceinline__ float quad_sum4(float x) {

@@ -4,7 +4,8 @@
 // dtype or fp8 e4m3 (contiguous, strided or paged) at head dims 64, 128 and 256. Sliding windows
 // and soft-capping stay on kernels/prefill.cuh.
 //
-// A CTA is three warpgroups over one work item of kRows = 128 query rows:
+// A CTA is three warpgroups over work items of kRows = 128 query rows, one after another: the
+// grid is persistent, as many CTAs as fit, the items dealt in rounds (sm90_item_of_round).
 //   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
 //     a ring of kStages stages with 16-byte cp.async (zero-filling positions past the sequence;
 //     any row stride; paged rows through the block table), wait for them, fence them for the
@@ -14,7 +15,8 @@
 //     fp8 K/V: the copies land in a staging ring of their own, and each thread widens the
 //     pieces it copied to q's dtype into the swizzled ring (produce_fp8_tiles below), so the
 //     products run in q's dtype on the values the cache holds exactly.
-//   two consumers (warps 4-7, 8-11), 64 rows each: S = Q · Kᵀ by wgmma with Q and K from
+//   two consumers (warps 4-7, 8-11), 64 rows each, each copying its own query rows (an item's
+//     next as soon as its last scores are done): S = Q · Kᵀ by wgmma with Q and K from
 //     shared memory; masking and the online softmax in registers; O += P · V by wgmma with P
 //     from registers and V from shared memory. The products of tile j's scores and of tile
 //     j - 1's values are issued together, so the softmax of tile j runs while P · V of j - 1
@@ -29,9 +31,9 @@
 //
 // Build: the sm_90a target (-gencode=arch=compute_90a,code=sm_90a); the wrapper kernel carries
 // __launch_bounds__(kThreads, 1), which setmaxnreg needs. The host guarantees what
-// kernels/prefill.cuh lists, launches kThreads threads per CTA, one CTA per (query tile of kRows
-// rows, batch, kv head, split) in the order prefill.cuh describes (one CTA fits an SM), and
-// raises the kernel's dynamic shared-memory limit to kSmemBytes.
+// kernels/prefill.cuh lists, launches kThreads threads per CTA, at most one CTA per work item (a
+// query tile of kRows rows, batch, kv head and split, numbered as prefill.cuh describes; one
+// CTA fits an SM), and raises the kernel's dynamic shared-memory limit to kSmemBytes.
 #pragma once
 
 #include "prefill.cuh"
@@ -455,7 +457,27 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         if (consumer == 1) named_barrier_arrive(1, 256);
     }
 
+    // This warpgroup's 64 query rows of an item (rows past the group's last are zero) into its
+    // half of the Q tile, as cp.async copies of the calling thread's pieces; the caller commits.
+    auto copy_query_rows = [&](const Sm90Item& item) {
+        const T* const q = static_cast<const T*>(p.q) + item.b * p.q_batch_stride;
+        for (int i = ct; i < 64 * PIECES; i += 128) {
+            const int r = wg_row0 + i / PIECES, c = i % PIECES;
+            const int row = item.row0 + r;
+            const bool valid = row < rows_total;
+            const T* src = q;
+            if (valid) {
+                const int token = row / group;
+                const int head = item.kv_head * group + (row - token * group);
+                src = q + token * p.q_seq_stride + head * p.q_head_stride + c * 8;
+            }
+            cp_async16_zfill(q_smem + swizzled_offset(M, r, c), src, valid);
+        }
+        cp_async_commit();
+    };
+
     int before = 0;  // tiles consumed for earlier items: the ring position
+    bool q_in_flight = false;  // the next item's query rows were copied during the item before
     for (int round = 0;; ++round) {
     const int index = sm90_item_of_round(round, items);
     if (index < 0) break;
@@ -474,28 +496,18 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};
 
     if (count > 0) {
-        // This warpgroup's 64 query rows (rows past the group's last are zero), once every warp
-        // of it is done with the item before.
+        // This warpgroup's query rows, copied now unless they were copied during the item
+        // before (once every warp of it had issued its last scores), then visible to wgmma.
         {
-            if (round > 0) named_barrier_sync(3 + consumer, 128);
-            const T* const q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-            for (int i = ct; i < 64 * PIECES; i += 128) {
-                const int r = wg_row0 + i / PIECES, c = i % PIECES;
-                const int row = row0 + r;
-                const bool valid = row < rows_total;
-                const T* src = q;
-                if (valid) {
-                    const int token = row / group;
-                    const int head = kv_head * group + (row - token * group);
-                    src = q + token * p.q_seq_stride + head * p.q_head_stride + c * 8;
-                }
-                cp_async16_zfill(q_smem + swizzled_offset(M, r, c), src, valid);
+            if (!q_in_flight) {
+                if (round > 0) named_barrier_sync(3 + consumer, 128);
+                copy_query_rows(w);
             }
-            cp_async_commit();
             cp_async_wait<0>();
             fence_proxy_async();
             named_barrier_sync(3 + consumer, 128);
         }
+        q_in_flight = false;
 
         // Descriptors: Q rows of this warpgroup and K (K-major, 8-row groups 1024 bytes apart);
         // V (N-major: 64-dim blocks N·128 bytes apart, 8-key groups 1024 bytes apart).
@@ -582,6 +594,19 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                 for (int j = 0; j < 4; ++j) pf[kk][j] = Out::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
         };
 
+        // Once every warp of this warpgroup has its last scores, the Q tile is free: copy the
+        // next item's query rows now, so that they land while this item's last products and its
+        // output finish.
+        auto prefetch_next_query = [&] {
+            const int next = sm90_item_of_round(round + 1, items);
+            if (next < 0) return;
+            const Sm90Item upcoming = sm90_item(p, next, q_tiles, M, N);
+            if (upcoming.count == 0) return;
+            named_barrier_sync(3 + consumer, 128);
+            copy_query_rows(upcoming);
+            q_in_flight = true;
+        };
+
         // Tile it streams keys from (hi - 1 - it)·N, from ring position before + it.
         {
             const int slot = before % STAGES;
@@ -595,6 +620,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             wgmma_wait<0>();
             wgmma_hold(s);
             release(k_empty, slot);
+            if (count == 1) prefetch_next_query();
             float factor[2];
             softmax((hi - 1) * N, factor);
             rescale_and_pack(factor);
@@ -617,6 +643,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             wgmma_wait<1>();  // the scores
             wgmma_hold(s);
             release(k_empty, slot);
+            if (it == count - 1) prefetch_next_query();
             float factor[2];
             softmax((hi - 1 - it) * N, factor);
             wgmma_wait<0>();  // the values of tile it - 1

@@ -34,6 +34,10 @@ struct Args {
     /// Timed repetitions (the median is reported); at least 5.
     #[arg(long, default_value_t = 7)]
     reps: usize,
+    /// CTAs of the persistent (sm_90a) prefill grid (default: as many as fit on the GPU at once);
+    /// a number at least the call's work items runs one item per CTA.
+    #[arg(long)]
+    persistent_ctas: Option<usize>,
     /// Print the grid's shapes as `b,hq,hk,t,past,d;...` and exit.
     #[arg(long)]
     peer_shapes: bool,
@@ -150,7 +154,9 @@ fn dtype_name(dtype: DType) -> &'static str {
 #[cfg(feature = "cuda")]
 fn bench(args: &Args, points: &[Point]) -> Result<()> {
     use candle_core::{Device, Tensor};
-    use candle_splitkv::test_hooks::{compiled_compute_cap, last_attention_form};
+    use candle_splitkv::test_hooks::{
+        compiled_compute_cap, force_persistent_ctas, last_attention_form,
+    };
     use candle_splitkv::{quantize_e4m3, SplitKvAttention};
     use serde_json::json;
 
@@ -160,6 +166,10 @@ fn bench(args: &Args, points: &[Point]) -> Result<()> {
     };
     // fp8 K/V need a build for compute capability 89 or later; below it their points are left out.
     let fp8_built = compiled_compute_cap().is_some_and(|cap| cap >= 89);
+    if args.persistent_ctas == Some(0) {
+        bail!("--persistent-ctas must be at least 1");
+    }
+    force_persistent_ctas(args.persistent_ctas);
     if !fp8_built {
         eprintln!("bench_prefill: this build has no fp8 K/V kernels; fp8 points left out");
     }
@@ -200,6 +210,7 @@ fn bench(args: &Args, points: &[Point]) -> Result<()> {
                     "ms": ms,
                     "tflops": p.flops() / (ms * 1e-3) / 1e12,
                     "form": form,
+                    "persistent_ctas": args.persistent_ctas,
                 });
                 println!("{line}");
             }

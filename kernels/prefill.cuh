@@ -184,6 +184,9 @@ __device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0));
 }
+__device__ __forceinline__ void cp_async16_full(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 
 // Sixteen query elements as f16 (saturated), in the order fp8 keys hold their dims: k-step
 // column 2c, 2c+1 ← dims 4c, 4c+1 and 2c+8, 2c+9 ← dims 4c+2, 4c+3 (see the decode kernel).

@@ -4,7 +4,8 @@
 // dtype or fp8 e4m3 (contiguous, strided or paged) at head dims 64, 128 and 256. Sliding windows
 // and soft-capping stay on kernels/prefill.cuh.
 //
-// A CTA is three warpgroups over one work item of kRows = 128 query rows:
+// A CTA is three warpgroups over work items of kRows = 128 query rows, one after another: the
+// grid is persistent, as many CTAs as fit, the items dealt in rounds (sm90_item_of_round).
 //   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
 //     a ring of kStages stages with 16-byte cp.async (zero-filling positions past the sequence;
 //     any row stride; paged rows through the block table), wait for them, fence them for the
@@ -14,7 +15,8 @@
 //     fp8 K/V: the copies land in a staging ring of their own, and each thread widens the
 //     pieces it copied to q's dtype into the swizzled ring (produce_fp8_tiles below), so the
 //     products run in q's dtype on the values the cache holds exactly.
-//   two consumers (warps 4-7, 8-11), 64 rows each: S = Q · Kᵀ by wgmma with Q and K from
+//   two consumers (warps 4-7, 8-11), 64 rows each, each copying its own query rows (an item's
+//     next as soon as its last scores are done): S = Q · Kᵀ by wgmma with Q and K from
 //     shared memory; masking and the online softmax in registers; O += P · V by wgmma with P
 //     from registers and V from shared memory. The products of tile j's scores and of tile
 //     j - 1's values are issued together, so the softmax of tile j runs while P · V of j - 1
@@ -29,9 +31,9 @@
 //
 // Build: the sm_90a target (-gencode=arch=compute_90a,code=sm_90a); the wrapper kernel carries
 // __launch_bounds__(kThreads, 1), which setmaxnreg needs. The host guarantees what
-// kernels/prefill.cuh lists, launches kThreads threads per CTA, one CTA per (query tile of kRows
-// rows, batch, kv head, split) in the order prefill.cuh describes (one CTA fits an SM), and
-// raises the kernel's dynamic shared-memory limit to kSmemBytes.
+// kernels/prefill.cuh lists, launches kThreads threads per CTA, at most one CTA per work item (a
+// query tile of kRows rows, batch, kv head and split, numbered as prefill.cuh describes; one
+// CTA fits an SM), and raises the kernel's dynamic shared-memory limit to kSmemBytes.
 #pragma once
 
 #include "prefill.cuh"
@@ -84,6 +86,25 @@ __device__ __forceinline__ float quad_max4(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
+// The largest of the COUNT scores of half h of a thread's score fragment (s[4i + 2h], s[4i + 2h + 1]
+// for i < COUNT / 2), reduced as a tree.
+template <int COUNT, int R> __device__ __forceinline__ float tree_max(const float (&s)[R], int h) {
+    static_assert((COUNT & (COUNT - 1)) == 0 && COUNT >= 2 && 2 * COUNT == R, "a power-of-two half");
+    constexpr int LEVELS = COUNT >= 32 ? 4 : COUNT >= 16 ? 3 : COUNT >= 8 ? 2 : COUNT >= 4 ? 1 : 0;  // COUNT / 2 → 1
+    static_assert(COUNT <= 32 && (COUNT / 2) >> LEVELS == 1, "halvings from COUNT / 2 values to one");
+    float m[COUNT / 2];
+#pragma unroll
+    for (int i = 0; i < COUNT / 2; ++i) m[i] = fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]);
+    // A fixed trip count at every level, so that every index is a constant and m stays in registers.
+#pragma unroll
+    for (int level = 0; level < LEVELS; ++level) {
+        const int width = (COUNT / 4) >> level;
+#pragma unroll
+        for (int i = 0; i < COUNT / 4; ++i)
+            if (i < width) m[i] = fmaxf(m[i], m[i + width]);
+    }
+    return m[0];
+}
 __device__ __forceinline__ float quad_sum4(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
@@ -134,11 +155,23 @@ __device__ __forceinline__ void st_shared_u4(unsigned addr, uint32_t a, uint32_t
 // Copies one producer thread's 16-byte pieces of a K or V tile into shared memory: the rows
 // first_key + j·ROW_STEP for j < ROWS (zero-filled from `rows_left` on; paged rows through the
 // block table) from `base` (the thread's piece of row 0), piece j to shared address dst_of(j).
+// A tile whose rows all lie in one contiguous sequence takes a path without per-row checks, fully
+// unrolled, so that each piece costs an address step and the copy: the producer warps share
+// their schedulers with the consumers, and every instruction they issue delays a softmax.
 template <int ROWS, int ROW_STEP, bool PAGED, class DstOf>
 __device__ __forceinline__ void copy_tile_pieces(const PrefillParams& p, const uint32_t* pages, const char* base,
                                                  long long row_bytes, long long outer_bytes, int first_key,
                                                  int rows_left, DstOf dst_of) {
     const char* src = base + first_key * row_bytes;
+    if (!PAGED && rows_left > (ROWS - 1) * ROW_STEP) {
+        const long long step = ROW_STEP * row_bytes;
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            cp_async16_full(dst_of(j), src);
+            src += step;
+        }
+        return;
+    }
 #pragma unroll 4
     for (int j = 0; j < ROWS; ++j) {
         const bool valid = j * ROW_STEP < rows_left;
@@ -155,9 +188,10 @@ __device__ __forceinline__ void copy_tile_pieces(const PrefillParams& p, const u
 }
 
 // Where the producer of an fp8 call works: the item's batch row, kv head, length and tiles (tile
-// it streams keys from (hi - 1 - it)·kKeys), and the shared-memory rings and barriers.
+// it streams keys from (hi - 1 - it)·kKeys), the tiles the CTA streamed before it (the ring
+// position), and the shared-memory rings and barriers.
 struct Fp8ProducerItem {
-    int b, kv_head, len, hi, count;
+    int b, kv_head, len, hi, count, before;
     unsigned ring, staging, k_full, v_full, k_empty, v_empty;
 };
 
@@ -210,9 +244,10 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
         cp_async_commit();
     }
     for (int it = 0; it < w.count; ++it) {
-        const int slot = it % STAGES;
+        const int at = w.before + it;  // position in the ring
+        const int slot = at % STAGES;
         cp_async_wait<STAGING - 1>();
-        if (it >= STAGES) mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
+        if (at >= STAGES) mbarrier_wait(empty + 8 * slot, (at / STAGES + 1) & 1);
         const unsigned from = staged + (it % STAGING) * Cfg::kStagingStageBytes;
         const unsigned to = tiles + slot * Cfg::kStageBytes;
         // A batch of pieces is loaded before any is widened: one producer warp per scheduler
@@ -241,6 +276,40 @@ __device__ __forceinline__ void produce_fp8_tiles(const PrefillParams& p, const 
         if (it + STAGING < w.count) copy(it + STAGING);
         cp_async_commit();
     }
+}
+
+// One work item: a query tile of kRows rows of one (batch, kv head) and split, numbered as
+// prefill.cuh's grid counts them, and the K/V tiles it streams (hi - 1 down to hi - count).
+struct Sm90Item {
+    int b, kv_head, split, row0, len, hi, count;
+};
+__device__ __forceinline__ Sm90Item sm90_item(const PrefillParams& p, int index, int q_tiles, int rows, int keys) {
+    const int group = p.q_heads / p.kv_heads;
+    const int rows_total = p.query_tokens * group;
+    Sm90Item w;
+    w.split = index % p.num_splits;
+    index /= p.num_splits;
+    w.kv_head = index % p.kv_heads;
+    index /= p.kv_heads;
+    w.b = index % p.batch;
+    w.row0 = (q_tiles - 1 - index / p.batch) * rows;
+    w.len = p.kv_len;
+    if (p.seqlens != nullptr) w.len = min(w.len, (int)p.seqlens[w.b]);
+    const int last_row = min(w.row0 + rows, rows_total) - 1;
+    const int tiles = (prefill_key_end(w.len, last_row / group, p.query_tokens) + keys - 1) / keys;
+    const int lo = (int)((long long)tiles * w.split / p.num_splits);
+    w.hi = (int)((long long)tiles * (w.split + 1) / p.num_splits);
+    w.count = w.hi - lo;
+    return w;
+}
+
+// The item a CTA takes in its round r of the persistent grid: the items are dealt out in rounds
+// of gridDim.x, longest first, and every other round in reverse, so that the CTA that took the
+// longest item of one round takes the shortest of the next. -1 past the last item.
+__device__ __forceinline__ int sm90_item_of_round(int round, int items) {
+    const int first = round * (int)gridDim.x;
+    const int index = first + (round % 2 ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+    return index < items ? index : -1;
 }
 
 template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>>
@@ -273,27 +342,12 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     const unsigned v_empty = k_empty + 8 * STAGES;
     const unsigned staging_smem = v_empty + 8 * STAGES;  // fp8 only; 8-byte barriers keep it 16-byte aligned
 
-    // The work item, as in prefill.cuh.
+    // The work items, as prefill.cuh numbers them; a CTA takes one per round (sm90_item_of_round).
     const int group = p.q_heads / p.kv_heads;
     const int tokens = p.query_tokens;
     const int rows_total = tokens * group;
     const int q_tiles = (rows_total + M - 1) / M;
-    int index = blockIdx.x;
-    const int split = index % p.num_splits;
-    index /= p.num_splits;
-    const int kv_head = index % p.kv_heads;
-    index /= p.kv_heads;
-    const int b = index % p.batch;
-    const int q_tile = q_tiles - 1 - index / p.batch;
-    int len = p.kv_len;
-    if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
-    const int row0 = q_tile * M;
-    const int last_row = min(row0 + M, rows_total) - 1;
-    const int kv_end = prefill_key_end(len, last_row / group, tokens);
-    const int tiles = (kv_end + N - 1) / N;
-    const int lo = (int)((long long)tiles * split / p.num_splits);
-    const int hi = (int)((long long)tiles * (split + 1) / p.num_splits);
-    const int count = hi - lo;  // this split's tiles: hi - 1 down to lo
+    const int items = q_tiles * p.batch * p.kv_heads * p.num_splits;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -310,11 +364,19 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         // Producer: warps 0-1 copy K tiles, warps 2-3 V tiles, each half on its own barriers, so
         // that a K tile is announced, and its slot reused, independently of the V tile beside it.
         // Thread t of a half copies piece t % PIECES of rows t / PIECES + j·ROW_STEP.
+        // Tiles of one item follow the last tile of the item before in the ring, so the copies of
+        // an item start while the consumers finish the one before.
         registers_release<Cfg::kProducerRegisters>();
+        int before = 0;  // tiles streamed for earlier items
+        for (int round = 0;; ++round) {
+        const int index = sm90_item_of_round(round, items);
+        if (index < 0) break;
+        const Sm90Item w = sm90_item(p, index, q_tiles, M, N);
         if constexpr (Cfg::kFp8) {
-            produce_fp8_tiles<Cfg, T, PAGED>(
-                p, {b, kv_head, len, hi, count, ring_smem, staging_smem, k_full, v_full, k_empty, v_empty});
-            return;
+            produce_fp8_tiles<Cfg, T, PAGED>(p, {w.b, w.kv_head, w.len, w.hi, w.count, before, ring_smem,
+                                                staging_smem, k_full, v_full, k_empty, v_empty});
+            before += w.count;
+            continue;
         }
         constexpr int ROW_STEP = 64 / PIECES;
         const bool is_v = threadIdx.x >= 64;
@@ -322,19 +384,20 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         const int piece = t % PIECES, row = t / PIECES;
         const long long row_bytes = (is_v ? p.v_seq_stride : p.k_seq_stride) * 2;
         const long long outer_bytes = (is_v ? p.v_batch_stride : p.k_batch_stride) * 2;  // batch or page
-        const char* const base = static_cast<const char*>(is_v ? p.v : p.k) + (PAGED ? 0 : b * outer_bytes) +
-                                 kv_head * (is_v ? p.v_head_stride : p.k_head_stride) * 2 + piece * 16;
-        const uint32_t* const pages = PAGED ? p.block_table + (long long)b * p.max_pages : nullptr;
+        const char* const base = static_cast<const char*>(is_v ? p.v : p.k) + (PAGED ? 0 : w.b * outer_bytes) +
+                                 w.kv_head * (is_v ? p.v_head_stride : p.k_head_stride) * 2 + piece * 16;
+        const uint32_t* const pages = PAGED ? p.block_table + (long long)w.b * p.max_pages : nullptr;
         const unsigned full = is_v ? v_full : k_full, empty = is_v ? v_empty : k_empty;
         const unsigned tiles_smem = ring_smem + (is_v ? Cfg::kKvTileBytes : 0);
         bool pending = false;  // tile it - 1 copied but not yet announced
         auto announce = [&](int it) {
             fence_proxy_async();
-            mbarrier_arrive(full + 8 * (it % STAGES));
+            mbarrier_arrive(full + 8 * ((before + it) % STAGES));
         };
-        for (int it = 0; it < count; ++it) {
-            const int slot = it % STAGES;
-            if (it >= STAGES) {
+        for (int it = 0; it < w.count; ++it) {
+            const int at = before + it;  // position in the ring
+            const int slot = at % STAGES;
+            if (at >= STAGES) {
                 // Announce everything before blocking: the consumers may need tile it - 1 to
                 // free the slot of tile it - STAGES.
                 if (pending) {
@@ -342,9 +405,9 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                     announce(it - 1);
                     pending = false;
                 }
-                mbarrier_wait(empty + 8 * slot, (it / STAGES + 1) & 1);
+                mbarrier_wait(empty + 8 * slot, (at / STAGES + 1) & 1);
             }
-            const int k0 = (hi - 1 - it) * N;
+            const int k0 = (w.hi - 1 - it) * N;
             const unsigned dst = tiles_smem + slot * Cfg::kStageBytes + swizzled_offset(N, row, piece);
             // Rows row + j·ROW_STEP, 8 rows per swizzle period: the piece's slot in the row
             // alternates with j when ROW_STEP < 8 (a few registers, not one address per row).
@@ -354,7 +417,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             for (int j = 0; j < PERIOD; ++j)
                 swz[j] = swizzled_offset(N, row + j * ROW_STEP, piece) - swizzled_offset(N, row, piece) - j * ROW_STEP * 128;
             copy_tile_pieces<N / ROW_STEP, ROW_STEP, PAGED>(
-                p, pages, base, row_bytes, outer_bytes, k0 + row, len - k0 - row,
+                p, pages, base, row_bytes, outer_bytes, k0 + row, w.len - k0 - row,
                 [&](int j) { return dst + j * ROW_STEP * 128 + swz[j % PERIOD]; });
             cp_async_commit();
             if (pending) {
@@ -365,7 +428,9 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         }
         if (pending) {
             cp_async_wait<0>();
-            announce(count - 1);
+            announce(w.count - 1);
+        }
+        before += w.count;
         }
         return;
     }
@@ -377,6 +442,48 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     const int warp = ct / 32, lane = ct % 32;
     const int quad_row = lane >> 2, quad_col = lane & 3;
     const int wg_row0 = consumer * 64;  // within the tile
+    const float scale = p.scale_log2;
+
+    // The consumers take turns issuing products (two named barriers), item after item: the
+    // first turn is the first consumer's, and the first consumer absorbs the second's last
+    // hand-over after the last item.
+    auto turn_begin = [&] {
+        if constexpr (Cfg::kPingPong) named_barrier_sync(1 + consumer, 256);
+    };
+    auto turn_end = [&] {
+        if constexpr (Cfg::kPingPong) named_barrier_arrive(2 - consumer, 256);
+    };
+    if constexpr (Cfg::kPingPong) {
+        if (consumer == 1) named_barrier_arrive(1, 256);
+    }
+
+    // This warpgroup's 64 query rows of an item (rows past the group's last are zero) into its
+    // half of the Q tile, as cp.async copies of the calling thread's pieces; the caller commits.
+    auto copy_query_rows = [&](const Sm90Item& item) {
+        const T* const q = static_cast<const T*>(p.q) + item.b * p.q_batch_stride;
+        for (int i = ct; i < 64 * PIECES; i += 128) {
+            const int r = wg_row0 + i / PIECES, c = i % PIECES;
+            const int row = item.row0 + r;
+            const bool valid = row < rows_total;
+            const T* src = q;
+            if (valid) {
+                const int token = row / group;
+                const int head = item.kv_head * group + (row - token * group);
+                src = q + token * p.q_seq_stride + head * p.q_head_stride + c * 8;
+            }
+            cp_async16_zfill(q_smem + swizzled_offset(M, r, c), src, valid);
+        }
+        cp_async_commit();
+    };
+
+    int before = 0;  // tiles consumed for earlier items: the ring position
+    bool q_in_flight = false;  // the next item's query rows were copied during the item before
+    for (int round = 0;; ++round) {
+    const int index = sm90_item_of_round(round, items);
+    if (index < 0) break;
+    const Sm90Item w = sm90_item(p, index, q_tiles, M, N);
+    const int b = w.b, kv_head = w.kv_head, split = w.split, row0 = w.row0, len = w.len, hi = w.hi;
+    const int count = w.count;
     // This thread's rows: wg_row0 + 16·warp + quad_row (+8).
     const int my_row = row0 + wg_row0 + warp * 16 + quad_row;
     // Keys every row of this warpgroup sees: tiles from there on need no mask.
@@ -387,29 +494,20 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
 #pragma unroll
     for (int i = 0; i < OREGS; ++i) o[i] = 0.f;
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.f, 0.f};
-    const float scale = p.scale_log2;
 
     if (count > 0) {
-        // This warpgroup's 64 query rows (rows past the group's last are zero).
+        // This warpgroup's query rows, copied now unless they were copied during the item
+        // before (once every warp of it had issued its last scores), then visible to wgmma.
         {
-            const T* const q = static_cast<const T*>(p.q) + b * p.q_batch_stride;
-            for (int i = ct; i < 64 * PIECES; i += 128) {
-                const int r = wg_row0 + i / PIECES, c = i % PIECES;
-                const int row = row0 + r;
-                const bool valid = row < rows_total;
-                const T* src = q;
-                if (valid) {
-                    const int token = row / group;
-                    const int head = kv_head * group + (row - token * group);
-                    src = q + token * p.q_seq_stride + head * p.q_head_stride + c * 8;
-                }
-                cp_async16_zfill(q_smem + swizzled_offset(M, r, c), src, valid);
+            if (!q_in_flight) {
+                if (round > 0) named_barrier_sync(3 + consumer, 128);
+                copy_query_rows(w);
             }
-            cp_async_commit();
             cp_async_wait<0>();
             fence_proxy_async();
             named_barrier_sync(3 + consumer, 128);
         }
+        q_in_flight = false;
 
         // Descriptors: Q rows of this warpgroup and K (K-major, 8-row groups 1024 bytes apart);
         // V (N-major: 64-dim blocks N·128 bytes apart, 8-key groups 1024 bytes apart).
@@ -422,19 +520,6 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         auto kmajor_step = [](int rows, int ks) -> uint64_t {
             return (uint64_t)(((ks / 4) * rows * 128 + (ks % 4) * 32) >> 4);
         };
-
-        auto turn_begin = [&] {
-            if constexpr (Cfg::kPingPong) named_barrier_sync(1 + consumer, 256);
-        };
-        auto turn_end = [&](bool last) {
-            if constexpr (Cfg::kPingPong) {
-                // The second consumer skips its last hand-over, which no one would wait for.
-                if (!(last && consumer == 1)) named_barrier_arrive(2 - consumer, 256);
-            }
-        };
-        if constexpr (Cfg::kPingPong) {
-            if (consumer == 1) named_barrier_arrive(1, 256);  // the first turn is the first consumer's
-        }
 
         float s[SREGS];
         uint32_t pf[PSTEPS][4];
@@ -470,25 +555,29 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                             if (k0 + i * 8 + quad_col * 2 + j >= end) s[4 * i + 2 * h + j] = -INFINITY;
                 }
             }
+            // The row maxima and sums reduce as trees and in several partial sums: one warp per
+            // scheduler runs its softmax while the other consumer's products are in flight, so
+            // the length of a dependency chain is time the tensor cores wait.
+            float m[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) m[h] = fmaxf(run_max[h], tree_max<N / 4>(s, h));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) m[h] = quad_max4(m[h]);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m = run_max[h];
-#pragma unroll
-                for (int i = 0; i < N / 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
-                m = quad_max4(m);
-                factor[h] = m > run_max[h] ? fast_exp2((run_max[h] - m) * scale) : 1.f;  // 0 from -inf
-                run_max[h] = m;
-                const float base = m == -INFINITY ? 0.f : -m * scale;
-                float sum = 0.f;
+                factor[h] = m[h] > run_max[h] ? fast_exp2((run_max[h] - m[h]) * scale) : 1.f;  // 0 from -inf
+                run_max[h] = m[h];
+                const float base = m[h] == -INFINITY ? 0.f : -m[h] * scale;
+                float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int i = 0; i < N / 8; ++i)
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
                         const float w = fast_exp2(fmaf(s[4 * i + 2 * h + j], scale, base));
                         s[4 * i + 2 * h + j] = w;
-                        sum += w;
+                        sum[(2 * i + j) % 4] += w;
                     }
-                run_sum[h] = run_sum[h] * factor[h] + sum;
+                run_sum[h] = run_sum[h] * factor[h] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
             }
         };
         auto rescale_and_pack = [&](const float (&factor)[2]) {
@@ -505,26 +594,42 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                 for (int j = 0; j < 4; ++j) pf[kk][j] = Out::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
         };
 
-        // Tile it streams keys from (hi - 1 - it)·N, from ring slot it % STAGES.
+        // Once every warp of this warpgroup has its last scores, the Q tile is free: copy the
+        // next item's query rows now, so that they land while this item's last products and its
+        // output finish.
+        auto prefetch_next_query = [&] {
+            const int next = sm90_item_of_round(round + 1, items);
+            if (next < 0) return;
+            const Sm90Item upcoming = sm90_item(p, next, q_tiles, M, N);
+            if (upcoming.count == 0) return;
+            named_barrier_sync(3 + consumer, 128);
+            copy_query_rows(upcoming);
+            q_in_flight = true;
+        };
+
+        // Tile it streams keys from (hi - 1 - it)·N, from ring position before + it.
         {
-            mbarrier_wait(k_full, 0);
+            const int slot = before % STAGES;
+            mbarrier_wait(k_full + 8 * slot, (before / STAGES) & 1);
             turn_begin();
             wgmma_hold(s);
             wgmma_fence();
-            issue_scores(0);
+            issue_scores(slot);
             wgmma_commit();
-            turn_end(false);
+            turn_end();
             wgmma_wait<0>();
             wgmma_hold(s);
-            release(k_empty, 0);
+            release(k_empty, slot);
+            if (count == 1) prefetch_next_query();
             float factor[2];
             softmax((hi - 1) * N, factor);
             rescale_and_pack(factor);
         }
         for (int it = 1; it < count; ++it) {
-            const int slot = it % STAGES, prev = (it - 1) % STAGES;
-            mbarrier_wait(k_full + 8 * slot, (it / STAGES) & 1);
-            mbarrier_wait(v_full + 8 * prev, ((it - 1) / STAGES) & 1);
+            const int at = before + it;
+            const int slot = at % STAGES, prev = (at - 1) % STAGES;
+            mbarrier_wait(k_full + 8 * slot, (at / STAGES) & 1);
+            mbarrier_wait(v_full + 8 * prev, ((at - 1) / STAGES) & 1);
             turn_begin();
             wgmma_hold(s);
             wgmma_hold(o);
@@ -534,10 +639,11 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             wgmma_commit();
             issue_values(prev);
             wgmma_commit();
-            turn_end(false);
+            turn_end();
             wgmma_wait<1>();  // the scores
             wgmma_hold(s);
             release(k_empty, slot);
+            if (it == count - 1) prefetch_next_query();
             float factor[2];
             softmax((hi - 1 - it) * N, factor);
             wgmma_wait<0>();  // the values of tile it - 1
@@ -548,16 +654,17 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         }
         {
             const int last = count - 1;
-            mbarrier_wait(v_full + 8 * (last % STAGES), (last / STAGES) & 1);
+            mbarrier_wait(v_full + 8 * ((before + last) % STAGES), ((before + last) / STAGES) & 1);
             turn_begin();
             wgmma_hold(o);
             wgmma_hold(pf);
             wgmma_fence();
-            issue_values(last % STAGES);
+            issue_values((before + last) % STAGES);
             wgmma_commit();
-            turn_end(true);
+            turn_end();
             wgmma_wait<0>();
             wgmma_hold(o);
+            release(v_empty, (before + last) % STAGES);  // the next item's tiles follow in the ring
         }
     }
 
@@ -589,5 +696,10 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                     make_float2(o[4 * i + 2 * h] * inv, o[4 * i + 2 * h + 1] * inv);
             if (quad_col == 0) p.partial_lse[part] = lse2;
         }
+    }
+    before += count;
+    }
+    if constexpr (Cfg::kPingPong) {
+        if (consumer == 0) named_barrier_sync(1, 256);
     }
 }

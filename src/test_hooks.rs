@@ -1,7 +1,8 @@
 //! Hooks for the test suites and benchmarks (feature `test-hooks`, which the crate's
 //! dev-dependency on itself turns on for its tests, examples and benches): NaN poisoning of
 //! kernel outputs, the fused projections' launch count and ring form, the split plan the op
-//! picks, and on CUDA the attention kernel a call runs (decode or prefill forms). Not part of
+//! picks, the persistent prefill grid's size, and on CUDA the attention kernel a call runs
+//! (decode or prefill forms). Not part of
 //! the crate's API otherwise.
 //!
 //! The switches are per thread, so that tests running in parallel keep apart: a kernel launched
@@ -22,6 +23,7 @@ thread_local! {
     static ATTENTION_FORM: Cell<Option<&'static str>> = const { Cell::new(None) };
     static DECODE_KERNEL: Cell<Option<&'static str>> = const { Cell::new(None) };
     static SMEM_PER_CTA_LIMIT: Cell<Option<usize>> = const { Cell::new(None) };
+    static PERSISTENT_CTAS: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
 /// Which kernels run this thread's attention calls on CUDA.
@@ -87,6 +89,19 @@ pub fn limit_smem_per_cta(bytes: Option<usize>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn smem_per_cta_limit() -> Option<usize> {
     SMEM_PER_CTA_LIMIT.get()
+}
+
+/// Launches this thread's calls on the persistent (sm_90a) prefill forms with `ctas` CTAs,
+/// clamped to the call's work items (`None`: as many as fit on the GPU at once), so that the
+/// rounds in which a CTA takes item after item are tested at any count, and a count of at least
+/// the items (one item per CTA) can be compared with the persistent grid.
+pub fn force_persistent_ctas(ctas: Option<usize>) {
+    PERSISTENT_CTAS.set(ctas);
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn forced_persistent_ctas() -> Option<usize> {
+    PERSISTENT_CTAS.get()
 }
 
 /// The compute capability this build's kernels target (`CUDA_COMPUTE_CAP` at build time); `None`

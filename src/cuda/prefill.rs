@@ -191,6 +191,23 @@ impl PrefillKernel {
         })
     }
 
+    /// CTAs of a launch with `items` work items: the sm_90a forms are persistent, each CTA
+    /// taking items round after round (kernels/prefill_sm90.cuh), so that one item's copies
+    /// overlap the end of the one before; as many as fit on the GPU at once. The mma.sync form
+    /// runs one CTA per item.
+    fn ctas(&self, items: usize) -> usize {
+        if !matches!(
+            self.spec.form,
+            KernelForm::PrefillSm90 | KernelForm::PrefillSm90Paged
+        ) {
+            return items;
+        }
+        let resident = self.residency.total().max(1);
+        #[cfg(feature = "test-hooks")]
+        let resident = crate::test_hooks::forced_persistent_ctas().unwrap_or(resident);
+        items.min(resident).max(1)
+    }
+
     /// Query tiles of one (batch, kv head).
     fn query_tiles(&self, call: &DecodeCall) -> usize {
         (call.dims.q_len * call.dims.group_size()).div_ceil(self.spec.tile_rows.max(1))
@@ -329,14 +346,15 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
     let kernel = PrefillKernel::load(&dev, spec)?;
     let num_splits = kernel.splits(call);
     let query_tiles = kernel.query_tiles(call);
-    let grid = query_tiles * dims.kv_heads * dims.batch * num_splits;
-    if grid > i32::MAX as usize {
+    let items = query_tiles * dims.kv_heads * dims.batch * num_splits;
+    if items > i32::MAX as usize {
         bail!(
-            "split-kv attention: {grid} prefill CTAs exceed the grid's limit of {}; split the \
-             call into smaller batches",
+            "split-kv attention: {items} prefill work items exceed the grid's limit of {}; split \
+             the call into smaller batches",
             i32::MAX
         )
     }
+    let grid = kernel.ctas(items);
     let rows = dims.batch * dims.q_heads * dims.q_len;
     let d = dims.head_dim;
     // SAFETY (all three): the prefill kernel writes every output and LSE element (one split) or

@@ -8,7 +8,9 @@
 //! Skips with a notice where no CUDA device exists.
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_splitkv::test_hooks::{force_prefill_route, last_attention_form, PrefillRoute};
+use candle_splitkv::test_hooks::{
+    force_persistent_ctas, force_prefill_route, last_attention_form, PrefillRoute,
+};
 use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS};
 
 use crate::common;
@@ -415,6 +417,65 @@ fn gpu_prefill_fp8_widens_exactly() -> Result<()> {
         }
     }
     force_prefill_route(PrefillRoute::Auto);
+    Ok(())
+}
+
+/// The persistent sm_90a grid with a few CTAs, each taking many items in rounds that alternate
+/// direction (items of no keys among them, splits, fp8 and paged K/V), and with one item per CTA.
+#[test]
+fn gpu_prefill_persistent_rounds() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let routes = routes(&dev)?;
+    if !routes.contains(&PrefillRoute::Wgmma) {
+        println!("gpu_prefill_persistent_rounds: no sm_90a prefill form here");
+        return Ok(());
+    }
+    let wgmma = [PrefillRoute::Wgmma];
+    let varlen = Shape {
+        lens: Some(vec![900, 0, 37, 600]),
+        ..Shape::new(4, 150, (8, 2, 128), 900)
+    };
+    let wide = Shape {
+        dtype: DType::F16,
+        ..Shape::new(1, 300, (4, 4, 256), 700)
+    };
+    let narrow = Shape::new(2, 200, (16, 2, 64), 1200);
+    for ctas in [1, 3, 7, 100_000] {
+        force_persistent_ctas(Some(ctas));
+        for shape in [&varlen, &wide, &narrow] {
+            check(&dev, shape, &wgmma, &[None, Some(3)])?;
+        }
+        if fp8_kv_built() {
+            check_fp8(&dev, &varlen, &wgmma, &[None, Some(2)], 4.0, (0.05, 0.02))?;
+        }
+        force_prefill_route(PrefillRoute::Wgmma);
+        let case = PagedCase {
+            t: 60,
+            h_q: 8,
+            h_kv: 2,
+            d: 128,
+            lens: vec![1000, 40, 0, 333],
+            dtype: DType::BF16,
+            kv_dtype: DType::BF16,
+            layout: Layout {
+                page_size: 16,
+                spare_pages: 5,
+                spare_entries: 3,
+                shared_pages: 0,
+                seed: 12,
+            },
+            window: None,
+            softcap: None,
+        };
+        check_paged(
+            &dev,
+            &case,
+            &[candle_splitkv::CudaKernel::Auto],
+            &[None, Some(4)],
+        )?;
+        force_prefill_route(PrefillRoute::Auto);
+    }
+    force_persistent_ctas(None);
     Ok(())
 }
 

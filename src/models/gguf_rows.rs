@@ -337,6 +337,17 @@ impl GgufRows {
     }
 }
 
+/// `out[r][o] = silu(gate_up[r][o]) × gate_up[r][h + o]` over rows of `h` outputs: candle's SiLU
+/// (x / (1 + e^−x)), then the product, as the unjoined layers compute it.
+fn silu_mul_rows(gate_up: &[f32], out: &mut [f32], h: usize) {
+    for (y, out) in gate_up.chunks_exact(2 * h).zip(out.chunks_exact_mut(h)) {
+        let (gate, up) = y.split_at(h);
+        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+}
+
 impl CustomOp1 for GgufRows {
     fn name(&self) -> &'static str {
         "gguf-rows-matmul"
@@ -350,17 +361,9 @@ impl CustomOp1 for GgufRows {
         let mut out = vec![0f32; rows * self.out_features];
         self.products(Kernel::detect(), x, &mut out)?;
         if self.silu_mul {
-            // candle's SiLU (x / (1 + e^-x)), then the product, as the unjoined layers do.
             let half = self.out_features / 2;
-            let mut activated = Vec::with_capacity(rows * half);
-            for y in out.chunks_exact(self.out_features) {
-                let (gate, up) = y.split_at(half);
-                activated.extend(
-                    gate.iter()
-                        .zip(up)
-                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
-                );
-            }
+            let mut activated = vec![0f32; rows * half];
+            silu_mul_rows(&out, &mut activated, half);
             out = activated;
         }
         let mut shape = dims.to_vec();

@@ -344,12 +344,7 @@ fn silu_mul(gate_up: &[f32], out: &mut [f32], h: usize) {
         unsafe { super::packed_vnni::silu_mul(gate_up, out, h) };
         return;
     }
-    for (y, out) in gate_up.chunks_exact(2 * h).zip(out.chunks_exact_mut(h)) {
-        let (gate, up) = y.split_at(h);
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
-    }
+    super::silu_mul_rows(gate_up, out, h);
 }
 
 /// The blocks of one stored row of `format` as `(block, 32 unsigned quants, scale, offset)`:

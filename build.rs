@@ -789,10 +789,14 @@ fn parse_struct(header: &str, name: &str) -> Result<Layout, String> {
     })
 }
 
-/// The Rust type that has a C type's size and alignment in a parameter block.
-fn rust_type(cxx: &str) -> Result<&'static str, String> {
+/// The Rust type that has a C type's size and alignment in a parameter block: another block
+/// (one of `blocks`) nested in it has its own twin.
+fn rust_type<'a>(cxx: &'a str, blocks: &[Layout]) -> Result<&'a str, String> {
     if cxx.contains('*') {
         return Ok("u64");
+    }
+    if blocks.iter().any(|b| b.name == cxx) {
+        return Ok(cxx);
     }
     Ok(match cxx {
         "int" => "i32",
@@ -910,7 +914,7 @@ fn rust_table(
         )
         .unwrap();
         for (field, ty) in &layout.fields {
-            writeln!(code, "    pub {field}: {},", rust_type(ty)?).unwrap();
+            writeln!(code, "    pub {field}: {},", rust_type(ty, layouts)?).unwrap();
         }
         code.push_str("}\n\n");
         writeln!(

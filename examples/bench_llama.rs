@@ -6,6 +6,8 @@
 //!   each step is one replayed CUDA graph);
 //! - `splitkv_uncaptured`: the same with every step's kernels launched one by one (A/B);
 //! - `splitkv_unfused`: the same as `splitkv` with candle's separate ops around the projections;
+//! - `splitkv_qkv_chain`: the same as `splitkv` with the q/k/v projection, RoPE and the cache
+//!   append as three launches instead of one kernel (A/B);
 //! - `naive`: our model with candle's naive attention over the same cache;
 //! - `candle_stock`: candle-transformers' Llama on the same weights, its cache filled by a
 //!   chunked prefill (it has no other way in), up to `--stock-max-context`.
@@ -86,6 +88,7 @@ enum Backend {
     Splitkv,
     SplitkvUncaptured,
     SplitkvUnfused,
+    SplitkvQkvChain,
     Naive,
     CandleStock,
 }
@@ -797,9 +800,13 @@ fn main() -> Result<()> {
                     Backend::SplitkvUnfused => {
                         (AttentionBackend::SplitKv, false, "splitkv_unfused")
                     }
+                    Backend::SplitkvQkvChain => {
+                        (AttentionBackend::SplitKv, true, "splitkv_qkv_chain")
+                    }
                     Backend::Naive => (AttentionBackend::Naive, true, "naive"),
                     Backend::CandleStock => continue,
                 };
+                candle_splitkv::test_hooks::unfuse_qkv_append(backend == Backend::SplitkvQkvChain);
                 model.set_fused_decode(fused);
                 model.set_cuda_graph(device.is_cuda() && backend != Backend::SplitkvUncaptured)?;
                 let plain_ms = match run_ours(&mut model, ours, context, args.steps) {
@@ -824,6 +831,7 @@ fn main() -> Result<()> {
                     }
                 }
             }
+            candle_splitkv::test_hooks::unfuse_qkv_append(false);
             model.set_fused_decode(true);
             model.set_backend(AttentionBackend::SplitKv);
             for &batch in &args.batch {

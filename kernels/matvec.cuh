@@ -3,6 +3,8 @@
 // - prologue f: the identity, or RMSNorm(x)·g;
 // - epilogue: the plain product, a residual added before the single rounding to the output type,
 //   or SwiGLU over interleaved [gate, up] row pairs, y_i = silu(W_2i·f(x))·(W_2i+1·f(x)).
+// The streaming core takes the epilogue as a policy (which two rows make a pair, and what becomes
+// of their sums), so other kernels reuse it with epilogues of their own (qkv_rope_append.cuh).
 //
 // Each weight row is read exactly once, so the kernel is a stream of 16-byte loads. The unit of
 // work is a pair of rows; pairs are dealt round-robin to every warp of the grid, so no warp has
@@ -190,33 +192,51 @@ __device__ __forceinline__ void accumulate_piece(const uint4& x, const uint4& w0
     }
 }
 
-// A pair's row sums, reduced over the warp, through the epilogue into y (lane 0 writes).
-template <typename T>
-__device__ __forceinline__ void finish_pair(const MatVecParams& p, int pair, int lane, float acc0,
-                                            float acc1) {
+// The two weight rows a pair of outputs reads; `second` is -1 where the pair has one row.
+struct PairRows {
+    int first, second;
+};
+
+// The epilogue of the fused projection: rows (2i, 2i + 1) make pair i, and their sums go through
+// p.epilogue into y. An epilogue policy provides `rows(pair)` and `finish(pair, sum0, sum1)`, the
+// latter called by one lane with the pair's reduced sums.
+template <typename T> struct ProductEpilogue {
+    const MatVecParams& p;
+
+    __device__ __forceinline__ PairRows rows(int pair) const {
+        return PairRows{2 * pair, 2 * pair + 1 < p.n ? 2 * pair + 1 : -1};
+    }
+
+    __device__ __forceinline__ void finish(int pair, float sum0, float sum1) const {
+        T* y = static_cast<T*>(p.y);
+        const int row0 = 2 * pair;
+        if (p.epilogue == kEpilogueSwiGlu) {
+            // Rounded where the unfused chain (product, silu, multiply) rounds.
+            const float gate = round_to<T>(sum0);
+            const float up = round_to<T>(sum1);
+            const float silu = round_to<T>(gate / (1.f + __expf(-gate)));
+            y[pair] = from_float<T>(silu * up);
+            return;
+        }
+        const T* residual = static_cast<const T*>(p.residual);
+        const bool add = p.epilogue == kEpilogueResidual;
+        y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
+        if (row0 + 1 < p.n)
+            y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
+    }
+};
+
+// A pair's row sums, reduced over the warp, through the epilogue (lane 0 finishes).
+template <class Epilogue>
+__device__ __forceinline__ void finish_pair(const Epilogue& epilogue, int pair, int lane, float acc0, float acc1) {
     const float sum0 = warp_sum(acc0);
     const float sum1 = warp_sum(acc1);
-    if (lane != 0) return;
-    T* y = static_cast<T*>(p.y);
-    const int row0 = 2 * pair;
-    if (p.epilogue == kEpilogueSwiGlu) {
-        // Rounded where the unfused chain (product, silu, multiply) rounds.
-        const float gate = round_to<T>(sum0);
-        const float up = round_to<T>(sum1);
-        const float silu = round_to<T>(gate / (1.f + __expf(-gate)));
-        y[pair] = from_float<T>(silu * up);
-        return;
-    }
-    const T* residual = static_cast<const T*>(p.residual);
-    const bool add = p.epilogue == kEpilogueResidual;
-    y[row0] = from_float<T>(sum0 + (add ? to_float(residual[row0]) : 0.f));
-    if (row0 + 1 < p.n)
-        y[row0 + 1] = from_float<T>(sum1 + (add ? to_float(residual[row0 + 1]) : 0.f));
+    if (lane == 0) epilogue.finish(pair, sum0, sum1);
 }
 
 // The register form: a warp keeps two tiles in flight in registers (double-buffered).
-template <typename T, int kUnroll>
-__device__ __forceinline__ void matvec(const MatVecParams& p) {
+template <typename T, int kUnroll, class Epilogue>
+__device__ __forceinline__ void matvec_stream(const MatVecParams& p, const Epilogue& epilogue) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int vecs = p.k / 8;
     uint4* x_s = reinterpret_cast<uint4*>(smem);
@@ -227,15 +247,16 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
 
     auto load = [&](int s, Tile<kUnroll>& t) {
         const StepPlace at = walk.place(s);
-        const int row0 = 2 * at.pair;
-        const uint4* r0 = w + static_cast<long long>(row0) * vecs;
-        const bool has_row1 = row0 + 1 < p.n;
+        const PairRows rows = epilogue.rows(at.pair);
+        const uint4* r0 = w + static_cast<long long>(rows.first) * vecs;
+        const uint4* r1 = w + static_cast<long long>(rows.second >= 0 ? rows.second : rows.first) * vecs;
+        const bool has_row1 = rows.second >= 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int v = at.first_vec + u * 32;
             const bool in_row = v < vecs;
             t.v[0][u] = in_row ? load_stream16(r0 + v) : make_uint4(0, 0, 0, 0);
-            t.v[1][u] = in_row && has_row1 ? load_stream16(r0 + vecs + v) : make_uint4(0, 0, 0, 0);
+            t.v[1][u] = in_row && has_row1 ? load_stream16(r1 + v) : make_uint4(0, 0, 0, 0);
         }
     };
 
@@ -257,7 +278,7 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
             if (v < vecs) accumulate_piece<T>(x_s[v], t.v[0][u], t.v[1][u], acc0, acc1);
         }
         if (!at.last_of_row) return;
-        finish_pair<T>(p, at.pair, walk.lane, acc0, acc1);
+        finish_pair(epilogue, at.pair, walk.lane, acc0, acc1);
         acc0 = acc1 = 0.f;
     };
 
@@ -272,6 +293,11 @@ __device__ __forceinline__ void matvec(const MatVecParams& p) {
     }
 }
 
+template <typename T, int kUnroll>
+__device__ __forceinline__ void matvec(const MatVecParams& p) {
+    matvec_stream<T, kUnroll>(p, ProductEpilogue<T>{p});
+}
+
 // The ring form (sm_80 and later): each warp streams its tiles through a ring of kStages slots
 // in shared memory, filled by cp.async. The bytes in flight then live in shared memory, not in
 // registers, and one CTA per SM keeps more of them in flight than the register form's two. A
@@ -284,8 +310,8 @@ struct MatVecRingLayout {
     static constexpr int kRingBytes = kMatVecWarps * kStages * kSlotVecs * 16;
 };
 
-template <typename T, int kUnroll, int kStages>
-__device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
+template <typename T, int kUnroll, int kStages, class Epilogue>
+__device__ __forceinline__ void matvec_ring_stream(const MatVecParams& p, const Epilogue& epilogue) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using Ring = MatVecRingLayout<kUnroll, kStages>;
     constexpr int kTileVecs = 32 * kUnroll;
@@ -305,9 +331,10 @@ __device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
     auto issue = [&](int s) {
         if (s < steps) {
             const StepPlace at = walk.place(s);
-            const int row0 = 2 * at.pair;
-            const uint4* r0 = w + static_cast<long long>(row0) * vecs;
-            const bool has_row1 = row0 + 1 < p.n;
+            const PairRows rows = epilogue.rows(at.pair);
+            const uint4* r0 = w + static_cast<long long>(rows.first) * vecs;
+            const uint4* r1 = w + static_cast<long long>(rows.second >= 0 ? rows.second : rows.first) * vecs;
+            const bool has_row1 = rows.second >= 0;
             const unsigned slot =
                 static_cast<unsigned>(__cvta_generic_to_shared(ring + (s % kStages) * Ring::kSlotVecs + lane));
 #pragma unroll
@@ -315,7 +342,7 @@ __device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
                 const int v = at.first_vec + u * 32;
                 if (v < vecs) {
                     cp_async16_to_hint(slot + u * 32 * 16, r0 + v, policy);
-                    if (has_row1) cp_async16_to_hint(slot + (kTileVecs + u * 32) * 16, r0 + vecs + v, policy);
+                    if (has_row1) cp_async16_to_hint(slot + (kTileVecs + u * 32) * 16, r1 + v, policy);
                 }
             }
         }
@@ -337,7 +364,7 @@ __device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
         cp_async_wait<kStages - 1>();
         const StepPlace at = walk.place(s);
         const uint4* slot = ring + (s % kStages) * Ring::kSlotVecs + lane;
-        const bool has_row1 = 2 * at.pair + 1 < p.n;
+        const bool has_row1 = epilogue.rows(at.pair).second >= 0;
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int v = at.first_vec + u * 32;
@@ -347,9 +374,14 @@ __device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
             }
         }
         if (!at.last_of_row) continue;
-        finish_pair<T>(p, at.pair, lane, acc0, acc1);
+        finish_pair(epilogue, at.pair, lane, acc0, acc1);
         acc0 = acc1 = 0.f;
     }
     cp_async_wait<0>();
 #endif
+}
+
+template <typename T, int kUnroll, int kStages>
+__device__ __forceinline__ void matvec_ring(const MatVecParams& p) {
+    matvec_ring_stream<T, kUnroll, kStages>(p, ProductEpilogue<T>{p});
 }

@@ -26,6 +26,12 @@ struct RopeSplitParams {
 
 constexpr int kRopeSplitThreads = 256;
 
+// Rotates the pair (a, b) by the angle whose cosine and sine are c and s, in T's arithmetic.
+template <typename T> __device__ __forceinline__ void rotate_pair(T a, T b, T c, T s, T& out_a, T& out_b) {
+    out_a = a * c - b * s;
+    out_b = a * s + b * c;
+}
+
 // One thread per pair of elements (b·t·heads·d/2 in all), in a grid-stride loop.
 template <typename T> __device__ __forceinline__ void rope_split(const RopeSplitParams& p) {
     const int half = p.head_dim / 2;
@@ -58,7 +64,6 @@ template <typename T> __device__ __forceinline__ void rope_split(const RopeSplit
                                    (row * (p.rotated - p.split) + (h - p.split)) * p.head_dim;
         const T c = cos[row * half + j];
         const T s = sin[row * half + j];
-        dst[i1] = a * c - b2 * s;
-        dst[i2] = a * s + b2 * c;
+        rotate_pair(a, b2, c, s, dst[i1], dst[i2]);
     }
 }

@@ -1,9 +1,8 @@
 //! Hooks for the test suites and benchmarks (feature `test-hooks`, which the crate's
 //! dev-dependency on itself turns on for its tests, examples and benches): NaN poisoning of
-//! kernel outputs, the fused projections' launch count and ring form, the split plan the op
-//! picks, the persistent prefill grid's size, and on CUDA the attention kernel a call runs
-//! (decode or prefill forms). Not part of
-//! the crate's API otherwise.
+//! kernel outputs, the fused projections' launch count and ring form, the fused q/k/v append,
+//! the split plan the op picks, the persistent prefill grid's size, and on CUDA the attention
+//! kernel a call runs (decode or prefill forms). Not part of the crate's API otherwise.
 //!
 //! The switches are per thread, so that tests running in parallel keep apart: a kernel launched
 //! from a thread sees that thread's settings.
@@ -24,6 +23,8 @@ thread_local! {
     static DECODE_KERNEL: Cell<Option<&'static str>> = const { Cell::new(None) };
     static SMEM_PER_CTA_LIMIT: Cell<Option<usize>> = const { Cell::new(None) };
     static PERSISTENT_CTAS: Cell<Option<usize>> = const { Cell::new(None) };
+    static QKV_APPEND_UNFUSED: Cell<bool> = const { Cell::new(false) };
+    static QKV_APPEND_LAUNCHES: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Which kernels run this thread's attention calls on CUDA.
@@ -102,6 +103,60 @@ pub fn force_persistent_ctas(ctas: Option<usize>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn forced_persistent_ctas() -> Option<usize> {
     PERSISTENT_CTAS.get()
+}
+
+/// Runs this thread's decode steps' q/k/v projection, RoPE and cache append as three launches
+/// (projection, split, write) instead of one kernel, so that tests can compare the two.
+pub fn unfuse_qkv_append(on: bool) {
+    QKV_APPEND_UNFUSED.set(on);
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn qkv_append_unfused() -> bool {
+    QKV_APPEND_UNFUSED.get()
+}
+
+/// How many times this thread has launched the fused q/k/v kernel (projection, RoPE and the
+/// cache append).
+pub fn qkv_append_launch_count() -> u64 {
+    QKV_APPEND_LAUNCHES.get()
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn count_qkv_append_launch() {
+    QKV_APPEND_LAUNCHES.set(QKV_APPEND_LAUNCHES.get() + 1);
+}
+
+/// Runs the fused q/k/v kernel of a decode step as a model's layer does: RMSNorm(`x`) with
+/// `norm = (weight, eps)` times `w` (rows `[q | k | v]`), q and k rotated by `angles` (one
+/// token's), k and v appended to `cache` at `starts` (u32 `(1,)` on the device). Returns q
+/// `(1, 1, q_heads, head_dim)`, or `None` where the kernel does not take the step (the model
+/// then runs the unfused chain).
+#[cfg(feature = "cuda")]
+pub fn qkv_rope_append(
+    x: &Tensor,
+    w: &Tensor,
+    norm: (&Tensor, f32),
+    angles: &crate::models::llama::RopeAngles,
+    (q_heads, kv_heads, head_dim): (usize, usize, usize),
+    cache: &mut crate::KvCache,
+    starts: &Tensor,
+) -> Result<Option<Tensor>> {
+    let (cos, sin, interleaved) = angles.rows();
+    let step = crate::nn::fused_linear::qkv_rope_append::QkvRopeAppend {
+        x,
+        w,
+        norm,
+        angles: (cos, sin),
+        interleaved,
+        q_heads,
+        kv_heads,
+        head_dim,
+    };
+    if !step.applies(cache) {
+        return Ok(None);
+    }
+    Ok(Some(step.run(cache, starts)?.0))
 }
 
 /// The compute capability this build's kernels target (`CUDA_COMPUTE_CAP` at build time); `None`

@@ -227,20 +227,47 @@ impl CachedAttention {
         lengths: &DeviceLengths,
         want_lse: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let (_, t, _, head_dim) = self.check_inputs(q, k, v, cache)?;
-        if self.route(q, cache.dtype())? != Route::Op {
-            bail!(
-                "cached attention: a step at device lengths needs the split-KV backend, a head \
-                 dim in {:?} and a token count the op takes; got {:?}, head dim {head_dim}, {t} \
-                 tokens",
-                crate::SUPPORTED_HEAD_DIMS,
-                self.backend
-            )
-        }
-        let scales = KvScales::of(cache);
+        self.check_inputs(q, k, v, cache)?;
+        self.check_device_route(q, cache)?;
         let (k_all, v_all) = cache.append_at(k, v, &lengths.before)?;
-        let op = self.op(scales).with_seqlens(lengths.after.clone());
+        let op = self
+            .op(KvScales::of(cache))
+            .with_seqlens(lengths.after.clone());
         run_op(&op, q, &k_all, &v_all, want_lse)
+    }
+
+    /// Attends `q` `(batch, t, q_heads, head_dim)` over `cache`, whose keys and values for the
+    /// step are already stored at `lengths.before` (by a kernel that computed and appended
+    /// them, see [`KvCache::append_in_place`]); `k_all` and `v_all` are its views over the
+    /// capacity. What [`AttentionStep::at`] runs after its append.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn forward_appended(
+        &self,
+        q: &Tensor,
+        (k_all, v_all): (&Tensor, &Tensor),
+        cache: &KvCache,
+        lengths: &DeviceLengths,
+    ) -> Result<Tensor> {
+        self.check_settings()?;
+        self.check_device_route(q, cache)?;
+        let op = self
+            .op(KvScales::of(cache))
+            .with_seqlens(lengths.after.clone());
+        Ok(run_op(&op, q, k_all, v_all, false)?.0)
+    }
+
+    /// Refuses a step at device lengths that the op would not run.
+    fn check_device_route(&self, q: &Tensor, cache: &KvCache) -> Result<()> {
+        if self.route(q, cache.dtype())? == Route::Op {
+            return Ok(());
+        }
+        let (_, t, _, head_dim) = q.dims4()?;
+        bail!(
+            "cached attention: a step at device lengths needs the split-KV backend, a head dim \
+             in {:?} and a token count the op takes; got {:?}, head dim {head_dim}, {t} tokens",
+            crate::SUPPORTED_HEAD_DIMS,
+            self.backend
+        )
     }
 
     /// Checks q, k and v against each other and the cache; returns q's dims.

@@ -310,6 +310,32 @@ impl KvCache {
         self.capacity_views()
     }
 
+    /// Makes room for `t` more positions in every sequence, has `write` store their keys and
+    /// values in the storage `(batch, kv_heads, capacity, head_dim)` (given with the scales), and
+    /// counts them: [`KvCache::append_at`] for a kernel that computes the rows and stores them
+    /// in one launch, at the lengths it reads from device memory. Returns the views over the
+    /// whole capacity.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn append_in_place(
+        &mut self,
+        t: usize,
+        write: impl FnOnce(&Tensor, &Tensor, (f32, f32)) -> Result<()>,
+    ) -> Result<(Tensor, Tensor)> {
+        self.reserve(self.len() + t)?;
+        write(&self.k, &self.v, (self.k_scale(), self.v_scale()))?;
+        self.seq_lens.iter_mut().for_each(|len| *len += t);
+        self.capacity_views()
+    }
+
+    /// Whether a kernel may store rows of `dtype` in this cache by themselves: the cache holds
+    /// them as they are (its dtype, unscaled), or quantizes them to fp8 with its scales, as the
+    /// cache-write kernel does.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn stores_rows_of(&self, dtype: DType) -> bool {
+        self.dtype() == DType::F8E4M3
+            || (self.dtype() == dtype && self.k_scale() == 1.0 && self.v_scale() == 1.0)
+    }
+
     #[cfg(feature = "cuda")]
     fn write_at(&self, k_new: &Tensor, v_new: &Tensor, lengths: &Tensor) -> Result<()> {
         if !self.device().is_cuda() {

@@ -10,6 +10,8 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+pub(crate) mod qkv_rope_append;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{bail, Module, Result, Tensor, D};

@@ -20,6 +20,9 @@ mod gpu_kernels;
 mod gpu_llama;
 mod gpu_paged;
 mod gpu_prefill;
+// Calls a kernel the crate has only on CUDA.
+#[cfg(feature = "cuda")]
+mod gpu_qkv_rope_append;
 mod gpu_query_tokens;
 mod gpu_rope_split;
 mod llama_gguf;

@@ -51,13 +51,20 @@ impl StepInputs {
 pub(super) struct StepShape {
     storage: Vec<(TensorId, TensorId)>,
     fused: bool,
+    /// The test hook that runs the q/k/v kernel as its unfused chain changes the launches too.
+    qkv_chain: bool,
 }
 
 impl StepShape {
     pub fn of(caches: &[KvCache], fused: bool) -> Self {
+        #[cfg(feature = "test-hooks")]
+        let qkv_chain = crate::test_hooks::qkv_append_unfused();
+        #[cfg(not(feature = "test-hooks"))]
+        let qkv_chain = false;
         Self {
             storage: caches.iter().map(KvCache::storage_ids).collect(),
             fused,
+            qkv_chain,
         }
     }
 }

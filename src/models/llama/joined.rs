@@ -1,12 +1,14 @@
 //! A decoder layer with its dense projections joined for [`fused_linear`]: q/k/v in one weight,
 //! gate/up interleaved in another. On CUDA with 16-bit weights a decode step is then four
-//! kernels around RoPE and attention (norm + qkv, o + residual, norm + gate/up + SwiGLU,
-//! down + residual); a prompt runs the same math through candle's ops.
+//! kernels and attention (norm + qkv + RoPE + the cache append, o + residual, norm + gate/up +
+//! SwiGLU, down + residual); a prompt runs the same math through candle's ops.
 
 use candle_core::{Result, Tensor};
 
 use super::rope::RopeAngles;
 use super::LayerKv;
+#[cfg(feature = "cuda")]
+use super::Positions;
 use crate::nn::attention::CachedAttention;
 use crate::nn::fused_linear::{fused_linear, linear_unfused, LinearInput, LinearOutput};
 
@@ -96,21 +98,34 @@ impl JoinedLayer {
             weight,
             eps: self.eps,
         };
-        let qkv = project(
-            fused,
-            x,
-            &self.qkv,
-            norm(&self.input_norm),
-            LinearOutput::Plain,
-        )?;
-        let heads = self.q_heads + 2 * self.kv_heads;
-        let (q, k, v) = angles.split_qkv(
-            &qkv.reshape((b, t, heads, self.head_dim))?,
-            (self.q_heads, self.kv_heads),
-        )?;
-        let y = kv
-            .attend(attention, (&q, &k, &v))?
-            .reshape((b, t, q_size))?;
+        let y = match kv {
+            // A decode step at device positions: projection, RoPE and the append in one kernel.
+            #[cfg(feature = "cuda")]
+            LayerKv::Own(cache, Positions::Device(lengths))
+                if fused && self.qkv_rope_append(x, angles).applies(cache) =>
+            {
+                let (q, k_all, v_all) = self
+                    .qkv_rope_append(x, angles)
+                    .run(cache, &lengths.before)?;
+                attention.forward_appended(&q, (&k_all, &v_all), cache, lengths)?
+            }
+            kv => {
+                let qkv = project(
+                    fused,
+                    x,
+                    &self.qkv,
+                    norm(&self.input_norm),
+                    LinearOutput::Plain,
+                )?;
+                let heads = self.q_heads + 2 * self.kv_heads;
+                let (q, k, v) = angles.split_qkv(
+                    &qkv.reshape((b, t, heads, self.head_dim))?,
+                    (self.q_heads, self.kv_heads),
+                )?;
+                kv.attend(attention, (&q, &k, &v))?
+            }
+        }
+        .reshape((b, t, q_size))?;
         let x = project(
             fused,
             &y,
@@ -132,6 +147,28 @@ impl JoinedLayer {
             LinearInput::Plain,
             LinearOutput::AddResidual(&x),
         )
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl JoinedLayer {
+    /// The fused q/k/v kernel's view of this layer's step over `x`.
+    fn qkv_rope_append<'a>(
+        &'a self,
+        x: &'a Tensor,
+        angles: &'a RopeAngles,
+    ) -> crate::nn::fused_linear::qkv_rope_append::QkvRopeAppend<'a> {
+        let (cos, sin, interleaved) = angles.rows();
+        crate::nn::fused_linear::qkv_rope_append::QkvRopeAppend {
+            x,
+            w: &self.qkv,
+            norm: (&self.input_norm, self.eps),
+            angles: (cos, sin),
+            interleaved,
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 }
 

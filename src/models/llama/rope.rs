@@ -234,6 +234,13 @@ impl RopeAngles {
         rotated.reshape((b, t, heads, d))
     }
 
+    /// The cos and sin rows `(batch·t, 1, head_dim/2)`, and whether rotation pairs are
+    /// interleaved: for a kernel that rotates in its epilogue.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn rows(&self) -> (&Tensor, &Tensor, bool) {
+        (&self.cos, &self.sin, self.layout == RopeLayout::Interleaved)
+    }
+
     /// Splits a joined projection's output `(batch, t, q + k + v heads, head_dim)` into
     /// contiguous q, k and v, with q and k rotated. On CUDA this is one launch that reads the
     /// output in place; elsewhere the rotation and the copies run as separate ops.

@@ -14,7 +14,7 @@ use crate::cuda::launch::{
 
 /// The staged input lives in shared memory; past this the kernel would need an opt-in limit
 /// that not every GPU has, and such wide layers are rare, so they take the unfused path.
-const MAX_STAGED_BYTES: usize = 48 * 1024;
+pub(super) const MAX_STAGED_BYTES: usize = 48 * 1024;
 
 /// Weights from this size up stream through the ring form: measured faster there (the
 /// Llama-3-8B gate/up and lm_head projections), while shorter streams (q/k/v, o, down) ran as
@@ -71,12 +71,28 @@ pub(super) fn try_fused(
 }
 
 /// A fused launch: the kernel, its grid and the dynamic shared memory it takes.
-struct Launch {
-    spec: &'static KernelSpec,
-    func: CudaFunction,
-    grid: u32,
-    smem_bytes: usize,
+pub(super) struct Launch {
+    pub spec: &'static KernelSpec,
+    pub func: CudaFunction,
+    pub grid: u32,
+    pub smem_bytes: usize,
 }
+
+/// The forms of one kernel built on matvec.cuh's stream: the ring form (where it has one) and the
+/// two register forms.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct MatVecForms {
+    pub ring: Option<KernelForm>,
+    pub deep: KernelForm,
+    pub shallow: KernelForm,
+}
+
+/// The fused projection's forms.
+const PRODUCT_FORMS: MatVecForms = MatVecForms {
+    ring: Some(KernelForm::MatVecRing),
+    deep: KernelForm::MatVecDeep,
+    shallow: KernelForm::MatVecShallow,
+};
 
 /// The kernel form and grid for an `n × k` weight of `elem`-byte elements whose staged input
 /// takes `staged` bytes.
@@ -86,9 +102,10 @@ struct Launch {
 /// register forms: the deep one (four loads per lane and row per tile, two CTAs per SM) streams
 /// best; the shallow one (two loads, three CTAs per SM) has more warps, and wins when its one
 /// round of row pairs would take the deep one two.
-fn pick_kernel(
+pub(super) fn pick_kernel(
     dev: &CudaDevice,
-    dtype: DType,
+    forms: MatVecForms,
+    (dtype, kv_dtype): (DType, DType),
     (n, k): (usize, usize),
     staged: usize,
 ) -> Result<Launch> {
@@ -102,8 +119,9 @@ fn pick_kernel(
     #[cfg(not(feature = "test-hooks"))]
     let ring_wanted = false;
     let ring_wanted = ring_wanted || n * k * dtype.size_in_bytes() >= RING_MIN_WEIGHT_BYTES;
-    if let Some(spec) = KernelForm::MatVecRing
-        .find(dtype, dtype, 0, 0)
+    if let Some(spec) = forms
+        .ring
+        .and_then(|ring| ring.find(dtype, kv_dtype, 0, 0))
         .filter(|_| ring_wanted)
     {
         let func = spec.load(dev)?;
@@ -119,16 +137,18 @@ fn pick_kernel(
         }
     }
     let load = |form: KernelForm| -> Result<(&'static KernelSpec, CudaFunction, usize)> {
-        let Some(spec) = form.find(dtype, dtype, 0, 0) else {
-            candle_core::bail!("fused linear: no {form:?} kernel for {dtype:?} in this build")
+        let Some(spec) = form.find(dtype, kv_dtype, 0, 0) else {
+            candle_core::bail!(
+                "fused linear: no {form:?} kernel for {dtype:?} (K/V {kv_dtype:?}) in this build"
+            )
         };
         let func = spec.load(dev)?;
         let ctas = resident_ctas(dev, spec.symbol, &func, spec.threads, MAX_STAGED_BYTES)?.total();
         Ok((spec, func, ctas))
     };
-    let deep = load(KernelForm::MatVecDeep)?;
+    let deep = load(forms.deep)?;
     let (spec, func, ctas) = if pairs > deep.2 * warps_per_cta(deep.0) {
-        let shallow = load(KernelForm::MatVecShallow)?;
+        let shallow = load(forms.shallow)?;
         if pairs <= shallow.2 * warps_per_cta(shallow.0) {
             shallow
         } else {
@@ -146,7 +166,7 @@ fn pick_kernel(
 }
 
 /// Shared memory for the staged input (and the norm weight beside it).
-fn staged_bytes(input: LinearInput, k: usize, elem: usize) -> usize {
+pub(super) fn staged_bytes(input: LinearInput, k: usize, elem: usize) -> usize {
     match input {
         LinearInput::Plain => k * elem,
         LinearInput::RmsNorm { .. } => 2 * k * elem,
@@ -154,7 +174,7 @@ fn staged_bytes(input: LinearInput, k: usize, elem: usize) -> usize {
 }
 
 /// The device address of `t`'s first element, keeping its storage borrowed for the launch.
-fn address<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<u64> {
+pub(super) fn address<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<u64> {
     match tensor_ptr::<T>(t, dev)? {
         Some(ptr) => Ok(ptr),
         None => candle_core::bail!("fused linear: every tensor must be on the CUDA device"),
@@ -176,7 +196,7 @@ fn launch<T: CudaDType + DeviceRepr>(
         func,
         grid,
         smem_bytes,
-    } = pick_kernel(dev, x.dtype(), (n, k), staged)?;
+    } = pick_kernel(dev, PRODUCT_FORMS, (x.dtype(), x.dtype()), (n, k), staged)?;
     let (epilogue, residual, outputs) = match output {
         LinearOutput::Plain => (MatVecEpilogue::Plain, 0, n),
         LinearOutput::AddResidual(r) => (MatVecEpilogue::Residual, address::<T>(r, dev)?, n),

@@ -48,6 +48,10 @@ template <int D, bool FP8> struct PrefillSm90Shape {
     static constexpr int kStages = D <= 64 ? (FP8 ? 4 : 6) : D <= 128 ? (FP8 ? 2 : 3) : 2;
     static constexpr int kStagingStages = !FP8 ? 0 : D <= 64 ? 3 : D <= 128 ? 2 : 1;
     static constexpr bool kPingPong = true;  // consumers take turns issuing products
+    // The reference max moves only past a factor of 2^8 and O's rescale is skipped when no row of
+    // a warp moved (the consumers' softmax): measured faster at D = 256, where the rescale is
+    // 128 multiplies a tile, and slower at 64 (the vote and the branch cost more than they save).
+    static constexpr bool kLazyRescale = D > 128;
 };
 
 template <class Traits> using PrefillSm90ShapeOf = PrefillSm90Shape<Traits::kHeadDim, sizeof(typename Traits::KV) == 1>;
@@ -61,6 +65,7 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
     static constexpr int kKeys = Shape::kKeys;
     static constexpr int kStages = Shape::kStages;
     static constexpr bool kPingPong = Shape::kPingPong;
+    static constexpr bool kLazyRescale = Shape::kLazyRescale;
     // setmaxnreg moves registers within what the CTA got at launch (the most a thread of kThreads
     // can have, a multiple of 8), so the consumers can claim only what the producer released.
     static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
@@ -81,6 +86,10 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
     static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumers <= kLaunchRegisters * kThreads,
                   "the consumers claim no more than the producer releases");
 };
+
+// How far past the reference max a tile's scores may go before a lazy reference moves, as log2
+// of the factor: weights up to 2^8 (see the consumers' softmax).
+constexpr float kLog2MaxGrowth = 8.f;
 
 __device__ __forceinline__ float quad_max4(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -565,9 +574,16 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             for (int h = 0; h < 2; ++h) m[h] = quad_max4(m[h]);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                factor[h] = m[h] > run_max[h] ? fast_exp2((run_max[h] - m[h]) * scale) : 1.f;  // 0 from -inf
-                run_max[h] = m[h];
-                const float base = m[h] == -INFINITY ? 0.f : -m[h] * scale;
+                // Lazily, the reference max moves only when a score passes it by more than a
+                // factor of 2^kLog2MaxGrowth: below that the weights stay under that factor,
+                // which f32 sums and T's products hold as well, and O keeps its scale (no
+                // rescale). The output and LSE use the same reference, so the result does not
+                // depend on it. Otherwise it moves with every new max.
+                const bool moves = Cfg::kLazyRescale ? (m[h] - run_max[h]) * scale > kLog2MaxGrowth  // true from -inf
+                                                     : m[h] > run_max[h];
+                factor[h] = moves ? fast_exp2((run_max[h] - m[h]) * scale) : 1.f;  // 0 from -inf
+                if (moves) run_max[h] = m[h];
+                const float base = run_max[h] == -INFINITY ? 0.f : -run_max[h] * scale;
                 float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int i = 0; i < N / 8; ++i)
@@ -581,12 +597,16 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             }
         };
         auto rescale_and_pack = [&](const float (&factor)[2]) {
+            // Lazily, most tiles move no reference max of the warp's rows (see softmax): skip
+            // the rescale's multiplies then.
+            if (!Cfg::kLazyRescale || __any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) {
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i) {
-                o[4 * i] *= factor[0];
-                o[4 * i + 1] *= factor[0];
-                o[4 * i + 2] *= factor[1];
-                o[4 * i + 3] *= factor[1];
+                for (int i = 0; i < D / 8; ++i) {
+                    o[4 * i] *= factor[0];
+                    o[4 * i + 1] *= factor[0];
+                    o[4 * i + 2] *= factor[1];
+                    o[4 * i + 3] *= factor[1];
+                }
             }
 #pragma unroll
             for (int kk = 0; kk < PSTEPS; ++kk)

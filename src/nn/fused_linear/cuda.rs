@@ -72,10 +72,29 @@ pub(super) fn try_fused(
 
 /// A fused launch: the kernel, its grid and the dynamic shared memory it takes.
 pub(super) struct Launch {
-    pub spec: &'static KernelSpec,
-    pub func: CudaFunction,
-    pub grid: u32,
-    pub smem_bytes: usize,
+    spec: &'static KernelSpec,
+    func: CudaFunction,
+    grid: u32,
+    smem_bytes: usize,
+}
+
+impl Launch {
+    /// Launches the kernel with `params` on candle's stream, as a programmatic dependent of the
+    /// kernel before (see [`launch_dependent`]).
+    ///
+    /// # Safety
+    ///
+    /// `params` must be the kernel's parameter block, and every address in it valid for what the
+    /// kernel reads and writes.
+    pub unsafe fn run<P: DeviceRepr>(&self, dev: &CudaDevice, params: &P) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (self.grid, 1, 1),
+            block_dim: (self.spec.threads, 1, 1),
+            shared_mem_bytes: self.smem_bytes as u32,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { launch_dependent(&self.func, dev, cfg, None, params) }
+    }
 }
 
 /// The forms of one kernel built on matvec.cuh's stream: the ring form (where it has one) and the
@@ -191,12 +210,7 @@ fn launch<T: CudaDType + DeviceRepr>(
     k: usize,
 ) -> Result<CudaStorage> {
     let staged = staged_bytes(input, k, std::mem::size_of::<T>());
-    let Launch {
-        spec,
-        func,
-        grid,
-        smem_bytes,
-    } = pick_kernel(dev, PRODUCT_FORMS, (x.dtype(), x.dtype()), (n, k), staged)?;
+    let kernel = pick_kernel(dev, PRODUCT_FORMS, (x.dtype(), x.dtype()), (n, k), staged)?;
     let (epilogue, residual, outputs) = match output {
         LinearOutput::Plain => (MatVecEpilogue::Plain, 0, n),
         LinearOutput::AddResidual(r) => (MatVecEpilogue::Residual, address::<T>(r, dev)?, n),
@@ -225,14 +239,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         epilogue: epilogue as i32,
         eps,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (spec.threads, 1, 1),
-        shared_mem_bytes: smem_bytes as u32,
-    };
     // SAFETY: the matvec kernels take one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
     // and n residuals, and writes the outputs allocated above.
-    unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
+    unsafe { kernel.run(dev, &params)? };
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::count_fused_launch();
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))

@@ -1,6 +1,7 @@
 //! Decode-step projections of a Llama-3-8B layer: `fused_linear` (one kernel: norm or SwiGLU
 //! activation, product, residual add) against candle's separate ops computing the same thing
-//! (cuBLAS for the product). One row, f16/bf16, on CUDA.
+//! (cuBLAS for the product). f16/bf16 on CUDA, one row or a few (`--rows`: the rows of a batched
+//! decode step, which the fused form multiplies on tensor cores).
 //!
 //! Enough distinct weights rotate through each timed sweep that L2 never holds them; sweeps are
 //! captured into a CUDA graph and timed with CUDA events. One JSON line per (shape, backend) with
@@ -28,6 +29,13 @@ fn main() -> anyhow::Result<()> {
         /// Timed repetitions; the median is reported.
         #[arg(long, default_value_t = 20)]
         reps: usize,
+        /// Input rows per call (comma-separated), 1 to 16 for the fused kernels.
+        #[arg(long, value_delimiter = ',', default_values_t = [1usize])]
+        rows: Vec<usize>,
+        /// For several rows, also time the fused kernel with these k-split counts (CTAs of a
+        /// cluster along k) instead of its own plan; each is reported where it fits.
+        #[arg(long, value_delimiter = ',')]
+        rows_splits: Vec<usize>,
     }
     let args = Args::parse();
     let dtype = match args.dtype.as_str() {
@@ -56,45 +64,71 @@ fn main() -> anyhow::Result<()> {
         let w = (0..sets)
             .map(|_| Tensor::randn(0f32, 0.02, (n, k), &device)?.to_dtype(dtype))
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let x = Tensor::randn(0f32, 1.0, (1, 1, k), &device)?.to_dtype(dtype)?;
         let gain = Tensor::ones(k, dtype, &device)?;
-        let residual = Tensor::randn(0f32, 1.0, (1, 1, n), &device)?.to_dtype(dtype)?;
-        let input = if norm {
-            LinearInput::RmsNorm {
-                weight: &gain,
-                eps: 1e-5,
+        for &rows in &args.rows {
+            let x = Tensor::randn(0f32, 1.0, (rows, 1, k), &device)?.to_dtype(dtype)?;
+            let residual = Tensor::randn(0f32, 1.0, (rows, 1, n), &device)?.to_dtype(dtype)?;
+            let input = if norm {
+                LinearInput::RmsNorm {
+                    weight: &gain,
+                    eps: 1e-5,
+                }
+            } else {
+                LinearInput::Plain
+            };
+            let output = match epilogue {
+                "residual" => LinearOutput::AddResidual(&residual),
+                "swiglu" => LinearOutput::SwiGlu,
+                _ => LinearOutput::Plain,
+            };
+            let fused = |i: usize| -> anyhow::Result<()> {
+                fused_linear(&x, &w[i], input, output)?;
+                Ok(())
+            };
+            let unfused = |i: usize| -> anyhow::Result<()> {
+                linear_unfused(&x, &w[i], input, output)?;
+                Ok(())
+            };
+            // (label, forced k-splits): the plain runs, then the fused kernel at each count asked.
+            let mut runs: Vec<(String, Option<usize>)> = vec![
+                ("fused".to_string(), None),
+                ("candle_unfused".to_string(), None),
+            ];
+            if rows > 1 {
+                runs.extend(
+                    args.rows_splits
+                        .iter()
+                        .map(|&s| (format!("fused_splits_{s}"), Some(s))),
+                );
             }
-        } else {
-            LinearInput::Plain
-        };
-        let output = match epilogue {
-            "residual" => LinearOutput::AddResidual(&residual),
-            "swiglu" => LinearOutput::SwiGlu,
-            _ => LinearOutput::Plain,
-        };
-        let fused = |i: usize| -> anyhow::Result<()> {
-            fused_linear(&x, &w[i], input, output)?;
-            Ok(())
-        };
-        let unfused = |i: usize| -> anyhow::Result<()> {
-            linear_unfused(&x, &w[i], input, output)?;
-            Ok(())
-        };
-        for (backend, call) in [
-            ("fused", &fused as &dyn Fn(usize) -> anyhow::Result<()>),
-            ("candle_unfused", &unfused),
-        ] {
-            let (us, how) = timing::gpu_time(cuda, sets, args.reps, call)?;
-            println!(
-                "{}",
-                json!({
-                    "kind": "linear", "shape": name, "out": n, "in": k,
-                    "dtype": args.dtype, "backend": backend, "us": (us * 1000.0).round() / 1000.0,
-                    "weight_bytes": weight_bytes,
-                    "tb_per_s": (weight_bytes as f64 / us / 1e6 * 1000.0).round() / 1000.0,
-                    "timing": how,
-                })
-            );
+            for (backend, splits) in runs {
+                let call: &dyn Fn(usize) -> anyhow::Result<()> = if backend == "candle_unfused" {
+                    &unfused
+                } else {
+                    &fused
+                };
+                candle_splitkv::test_hooks::force_rows_splits(splits);
+                if splits.is_some() {
+                    // A count the kernel cannot take runs candle's ops: leave it out.
+                    let before = candle_splitkv::test_hooks::fused_launch_count();
+                    call(0)?;
+                    if candle_splitkv::test_hooks::fused_launch_count() == before {
+                        continue;
+                    }
+                }
+                let (us, how) = timing::gpu_time(cuda, sets, args.reps, call)?;
+                println!(
+                    "{}",
+                    json!({
+                        "kind": "linear", "shape": name, "out": n, "in": k, "rows": rows,
+                        "dtype": args.dtype, "backend": backend, "us": (us * 1000.0).round() / 1000.0,
+                        "weight_bytes": weight_bytes,
+                        "tb_per_s": (weight_bytes as f64 / us / 1e6 * 1000.0).round() / 1000.0,
+                        "timing": how,
+                    })
+                );
+            }
+            candle_splitkv::test_hooks::force_rows_splits(None);
         }
     }
     Ok(())

@@ -1,8 +1,9 @@
 //! Hooks for the test suites and benchmarks (feature `test-hooks`, which the crate's
 //! dev-dependency on itself turns on for its tests, examples and benches): NaN poisoning of
-//! kernel outputs, the fused projections' launch count and ring form, the fused q/k/v append,
-//! the split plan the op picks, the persistent prefill grid's size, and on CUDA the attention
-//! kernel a call runs (decode or prefill forms). Not part of the crate's API otherwise.
+//! kernel outputs, the fused projections' launch count, ring form and k-split count (several
+//! rows), the fused q/k/v append, the split plan the op picks, the persistent prefill grid's
+//! size, and on CUDA the attention kernel a call runs (decode or prefill forms). Not part of
+//! the crate's API otherwise.
 //!
 //! The switches are per thread, so that tests running in parallel keep apart: a kernel launched
 //! from a thread sees that thread's settings.
@@ -23,6 +24,7 @@ thread_local! {
     static DECODE_KERNEL: Cell<Option<&'static str>> = const { Cell::new(None) };
     static SMEM_PER_CTA_LIMIT: Cell<Option<usize>> = const { Cell::new(None) };
     static PERSISTENT_CTAS: Cell<Option<usize>> = const { Cell::new(None) };
+    static ROWS_SPLITS: Cell<Option<usize>> = const { Cell::new(None) };
     static QKV_APPEND_UNFUSED: Cell<bool> = const { Cell::new(false) };
     static QKV_APPEND_LAUNCHES: Cell<u64> = const { Cell::new(0) };
 }
@@ -103,6 +105,18 @@ pub fn force_persistent_ctas(ctas: Option<usize>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn forced_persistent_ctas() -> Option<usize> {
     PERSISTENT_CTAS.get()
+}
+
+/// Runs this thread's fused projections of 2 to 16 rows with `splits` CTAs along k (a cluster
+/// of that many on sm_90 builds; 1 elsewhere) where a CTA can stage its slice, candle's ops where
+/// it cannot (`None`: the kernel's own plan), so that benchmarks can compare the plans.
+pub fn force_rows_splits(splits: Option<usize>) {
+    ROWS_SPLITS.set(splits);
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn forced_rows_splits() -> Option<usize> {
+    ROWS_SPLITS.get()
 }
 
 /// Runs this thread's decode steps' q/k/v projection, RoPE and cache append as three launches

@@ -8,8 +8,8 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 use super::cuda::{address, Operands};
 use super::{LinearInput, LinearOutput};
 use crate::cuda::kernels::{
-    KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue, MatVecRowsParams,
-    MATVEC_ROWS_BLOCK, MATVEC_ROWS_MAX_CLUSTER, MATVEC_ROWS_PAD_BYTES, MATVEC_ROWS_PER_PRODUCT,
+    KernelForm, MatVecEpilogue, MatVecParams, MatVecPrologue, MatVecRowsParams, MATVEC_ROWS_BLOCK,
+    MATVEC_ROWS_MAX_CLUSTER, MATVEC_ROWS_PAD_BYTES, MATVEC_ROWS_PER_PRODUCT,
     MATVEC_ROWS_TILE_COLUMNS,
 };
 use crate::cuda::launch::{
@@ -28,38 +28,57 @@ struct Plan {
     smem_bytes: usize,
 }
 
-/// The plan for `rows` rows of an `n × k` weight, or `None` where no CTA could stage its slice.
+/// Sizes of one call, as the plans see them.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    n: usize,
+    k: usize,
+    rows: usize,
+    /// Bytes per element.
+    elem: usize,
+}
+
+/// The plan with `splits` CTAs along k, or `None` where a CTA could not stage its slice in
+/// `smem_limit` bytes or a split would be left without columns.
+fn plan_with(splits: usize, s: Shape, fixed_smem: usize, smem_limit: usize) -> Option<Plan> {
+    if splits == 0 {
+        return None;
+    }
+    let slice = s.k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS;
+    let staged_rows = s.rows.div_ceil(MATVEC_ROWS_PER_PRODUCT) * MATVEC_ROWS_PER_PRODUCT;
+    let smem_bytes = fixed_smem + staged_rows * (slice * s.elem + MATVEC_ROWS_PAD_BYTES);
+    let every_split_has_columns = (splits - 1) * slice < s.k;
+    (every_split_has_columns && smem_bytes <= smem_limit).then_some(Plan {
+        splits,
+        slice,
+        smem_bytes,
+    })
+}
+
+/// The plan for a call, or `None` where no CTA could stage its slice.
 ///
 /// More splits give small n more CTAs and smaller slices; each split past one costs a push of
 /// partial sums through distributed shared memory (clusters: sm_90 builds only). The fewest
 /// splits whose grid reaches two CTAs per SM win; where none does, the most that still give every
 /// CTA columns of its own.
 fn plan(
-    (n, k): (usize, usize),
-    rows: usize,
-    elem: usize,
+    s: Shape,
     fixed_smem: usize,
     smem_limit: usize,
     sms: usize,
     most_splits: usize,
 ) -> Option<Plan> {
-    let blocks = n.div_ceil(MATVEC_ROWS_BLOCK);
-    let staged_rows = rows.div_ceil(MATVEC_ROWS_PER_PRODUCT) * MATVEC_ROWS_PER_PRODUCT;
+    let blocks = s.n.div_ceil(MATVEC_ROWS_BLOCK);
     let mut best = None;
     let mut splits = 1;
     while splits <= most_splits {
         let slice =
-            k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS;
-        if splits > 1 && (splits - 1) * slice >= k {
+            s.k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS;
+        if splits > 1 && (splits - 1) * slice >= s.k {
             break;
         }
-        let smem_bytes = fixed_smem + staged_rows * (slice * elem + MATVEC_ROWS_PAD_BYTES);
-        if smem_bytes <= smem_limit {
-            best = Some(Plan {
-                splits,
-                slice,
-                smem_bytes,
-            });
+        if let Some(p) = plan_with(splits, s, fixed_smem, smem_limit) {
+            best = Some(p);
             if blocks * splits >= 2 * sms {
                 break;
             }
@@ -90,16 +109,22 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     } else {
         1
     };
-    let elem = std::mem::size_of::<T>();
-    let Some(plan) = plan(
-        (n, k),
+    let shape = Shape {
+        n,
+        k,
         rows,
-        elem,
-        spec.smem_bytes,
-        smem_limit,
-        sms,
-        most_splits,
-    ) else {
+        elem: std::mem::size_of::<T>(),
+    };
+    #[cfg(feature = "test-hooks")]
+    let forced = crate::test_hooks::forced_rows_splits();
+    #[cfg(not(feature = "test-hooks"))]
+    let forced: Option<usize> = None;
+    let plan = match forced {
+        Some(splits) if splits > most_splits => None,
+        Some(splits) => plan_with(splits, shape, spec.smem_bytes, smem_limit),
+        None => plan(shape, spec.smem_bytes, smem_limit, sms, most_splits),
+    };
+    let Some(plan) = plan else {
         return Ok(None);
     };
     let cfg = LaunchConfig {
@@ -116,24 +141,12 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
             return Ok(None);
         }
     }
-    run::<T>(
-        dev,
-        spec,
-        &func,
-        cfg,
-        cluster,
-        ops,
-        rows,
-        (n, k),
-        plan.slice,
-    )
-    .map(Some)
+    run::<T>(dev, &func, cfg, cluster, ops, rows, (n, k), plan.slice).map(Some)
 }
 
 #[allow(clippy::too_many_arguments)]
 fn run<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
-    spec: &KernelSpec,
     func: &cudarc::driver::CudaFunction,
     cfg: LaunchConfig,
     cluster: Option<ClusterDims>,
@@ -173,7 +186,6 @@ fn run<T: CudaDType + DeviceRepr>(
         rows: rows as i32,
         slice_columns: slice as i32,
     };
-    let _ = spec;
     // SAFETY: the kernel takes one `MatVecRowsParams`; it reads rows·k inputs, n·k weights, k norm
     // weights and rows·n residuals, and writes the rows·outputs elements allocated above.
     unsafe { launch_dependent(func, dev, cfg, cluster, &params)? };
@@ -189,37 +201,56 @@ mod tests {
     const FIXED: usize = 8768;
     const LIMIT: usize = 113 * 1024;
 
+    fn shape(n: usize, k: usize, rows: usize) -> Shape {
+        Shape {
+            n,
+            k,
+            rows,
+            elem: 2,
+        }
+    }
+
     #[test]
     fn small_n_takes_splits_until_the_grid_fills_the_gpu() {
         // 32 row blocks: 8 splits give 256 CTAs on 132 SMs.
-        let p = plan((4096, 4096), 16, 2, FIXED, LIMIT, 132, 8).unwrap();
+        let p = plan(shape(4096, 4096, 16), FIXED, LIMIT, 132, 8).unwrap();
         assert_eq!((p.splits, p.slice), (8, 512));
         // Without clusters, one CTA stages all of k: 8 rows fit, 16 do not.
-        let p = plan((4096, 4096), 8, 2, FIXED, LIMIT, 132, 1).unwrap();
+        let p = plan(shape(4096, 4096, 8), FIXED, LIMIT, 132, 1).unwrap();
         assert_eq!((p.splits, p.slice), (1, 4096));
-        assert!(plan((4096, 4096), 16, 2, FIXED, LIMIT, 132, 1).is_none());
+        assert!(plan(shape(4096, 4096, 16), FIXED, LIMIT, 132, 1).is_none());
     }
 
     #[test]
     fn large_n_needs_no_split_beyond_the_shared_memory_bound() {
         // 224 row blocks; k = 4096 at 16 rows needs 2 splits to stage its slice.
-        let p = plan((28672, 4096), 16, 2, FIXED, LIMIT, 132, 8).unwrap();
+        let p = plan(shape(28672, 4096, 16), FIXED, LIMIT, 132, 8).unwrap();
         assert_eq!((p.splits, p.slice), (2, 2048));
         // Eight rows would fit unsplit, but 224 CTAs are fewer than two an SM.
-        let p = plan((28672, 4096), 8, 2, FIXED, LIMIT, 132, 8).unwrap();
+        let p = plan(shape(28672, 4096, 8), FIXED, LIMIT, 132, 8).unwrap();
         assert_eq!((p.splits, p.slice), (2, 2048));
-        let p = plan((28672, 4096), 8, 2, FIXED, LIMIT, 100, 8).unwrap();
+        let p = plan(shape(28672, 4096, 8), FIXED, LIMIT, 100, 8).unwrap();
         assert_eq!((p.splits, p.slice), (1, 4096));
         // k = 14336 does not fit one CTA without clusters.
-        assert!(plan((4096, 14336), 16, 2, FIXED, LIMIT, 132, 1).is_none());
-        let p = plan((4096, 14336), 16, 2, FIXED, LIMIT, 132, 8).unwrap();
+        assert!(plan(shape(4096, 14336, 16), FIXED, LIMIT, 132, 1).is_none());
+        let p = plan(shape(4096, 14336, 16), FIXED, LIMIT, 132, 8).unwrap();
         assert_eq!((p.splits, p.slice), (8, 1792));
     }
 
     #[test]
     fn no_split_is_left_without_columns() {
         // k = 576 (SmolLM2): 2 splits take 384 columns each; 4 would leave the last none.
-        let p = plan((576, 576), 4, 2, FIXED, LIMIT, 132, 8).unwrap();
+        let p = plan(shape(576, 576, 4), FIXED, LIMIT, 132, 8).unwrap();
         assert_eq!((p.splits, p.slice), (2, 384));
+    }
+
+    #[test]
+    fn a_forced_split_count_is_taken_where_it_fits() {
+        let p = plan_with(4, shape(4096, 4096, 16), FIXED, LIMIT).unwrap();
+        assert_eq!((p.splits, p.slice), (4, 1024));
+        // One CTA cannot stage 16 rows of 4096 columns in the limit.
+        assert!(plan_with(1, shape(4096, 4096, 16), FIXED, LIMIT).is_none());
+        // 8 splits of k = 576 would leave the last ones without columns.
+        assert!(plan_with(8, shape(576, 576, 4), FIXED, LIMIT).is_none());
     }
 }

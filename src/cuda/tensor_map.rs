@@ -42,9 +42,9 @@ impl Tiled4d {
         let strides_fit = self
             .strides
             .iter()
-            .all(|&s| s % 16 == 0 && s < (1u64 << 40));
+            .all(|&s| s.is_multiple_of(16) && s < (1u64 << 40));
         let dims_fit = self.dims.iter().all(|&d| (1..=1u64 << 32).contains(&d));
-        if self.base % 16 != 0 || !strides_fit || !dims_fit || self.box_dims[0] != 64 {
+        if !self.base.is_multiple_of(16) || !strides_fit || !dims_fit || self.box_dims[0] != 64 {
             return None;
         }
         let mut map = sys::CUtensorMap { opaque: [0; 16] };

@@ -334,12 +334,19 @@ impl Report<'_> {
     }
 
     /// Batched steps of `batch` sequences, reading `bytes` per step.
-    fn batch_line(&self, batch: usize, page_size: usize, t: &BatchTiming, bytes: usize) {
+    fn batch_line(
+        &self,
+        label: &str,
+        batch: usize,
+        page_size: usize,
+        t: &BatchTiming,
+        bytes: usize,
+    ) {
         println!(
             "{{{},\"batch\":{batch},\"page_size\":{page_size},\"steps\":{},\
              \"ms_per_step\":{:.3},\"tokens_per_s\":{:.2},\"bytes_per_step\":{bytes},\
              \"attention_ms_per_step\":{:.3},\"host_ms_per_step\":{:.3}}}",
-            self.head("splitkv_paged"),
+            self.head(label),
             self.steps,
             t.step_ms,
             batch as f64 * 1e3 / t.step_ms,
@@ -832,15 +839,25 @@ fn main() -> Result<()> {
                 }
             }
             candle_splitkv::test_hooks::unfuse_qkv_append(false);
-            model.set_fused_decode(true);
             model.set_backend(AttentionBackend::SplitKv);
-            for &batch in &args.batch {
-                let bytes = batch_bytes_per_step(&config, &weights, context, kv_dtype, batch);
-                match run_batch(&model, context, batch, args.page_size, args.steps) {
-                    Ok(timing) => report.batch_line(batch, args.page_size, &timing, bytes),
-                    Err(e) => report.error("splitkv_paged", &e.to_string()),
+            // The fused projections, and candle's ops where `splitkv-unfused` asks for an A/B.
+            let unfused_too = args.backends.contains(&Backend::SplitkvUnfused);
+            for (fused, label) in [(true, "splitkv_paged"), (false, "splitkv_paged_unfused")] {
+                if !fused && !unfused_too {
+                    continue;
+                }
+                model.set_fused_decode(fused);
+                for &batch in &args.batch {
+                    let bytes = batch_bytes_per_step(&config, &weights, context, kv_dtype, batch);
+                    match run_batch(&model, context, batch, args.page_size, args.steps) {
+                        Ok(timing) => {
+                            report.batch_line(label, batch, args.page_size, &timing, bytes)
+                        }
+                        Err(e) => report.error(label, &e.to_string()),
+                    }
                 }
             }
+            model.set_fused_decode(true);
         }
         if args.backends.contains(&Backend::CandleStock) {
             if context > args.stock_max_context {

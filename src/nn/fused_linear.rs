@@ -3,15 +3,19 @@
 //!
 //! At decode time (one row) a linear layer reads its whole weight to produce one output row, so
 //! it is bound by memory bandwidth, and the norm, activation and residual add around it are
-//! separate launches that each cost more time than their arithmetic. On CUDA, for one f16/bf16
-//! row, [`fused_linear`] runs all of it as one kernel that streams the weight with 16-byte loads.
-//! Everywhere else (the CPU, f32, several rows) it runs [`linear_unfused`], the same computation
-//! with candle's ops, so a model can call it unconditionally.
+//! separate launches that each cost more time than their arithmetic. On CUDA, for f16/bf16,
+//! [`fused_linear`] runs all of it as one kernel that streams the weight with 16-byte loads: on
+//! CUDA cores for one row, on tensor cores for 2 to 16 rows (a batch of decode steps, or a
+//! verification step's drafts), still reading the weight once. Everywhere else (the CPU, f32, more
+//! rows) it runs [`linear_unfused`], the same computation with candle's ops, so a model can call
+//! it unconditionally.
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 pub(crate) mod qkv_rope_append;
+#[cfg(feature = "cuda")]
+mod rows;
 
 use candle_core::quantized::QMatMul;
 use candle_core::{bail, Module, Result, Tensor, D};
@@ -44,8 +48,9 @@ pub enum LinearOutput<'a> {
 /// - output: `(…, n)`, or `(…, n/2)` for [`LinearOutput::SwiGlu`], in x's dtype. All tensors
 ///   share x's dtype and device.
 ///
-/// One row of f16/bf16 on CUDA runs the fused kernel; the rest runs [`linear_unfused`] (on CUDA
-/// with SwiGLU in one launch of its own). The kernel rounds where the unfused ops round, except
+/// Up to 16 rows of f16/bf16 on CUDA run a fused kernel (more than one row needs an sm_80 or
+/// later build, and an sm_90 one where a row's input is too wide for one CTA); the rest runs
+/// [`linear_unfused`] (on CUDA with SwiGLU in one launch of its own). The kernel rounds where the unfused ops round, except
 /// that a product and its residual are rounded once, not twice.
 pub fn fused_linear(
     x: &Tensor,

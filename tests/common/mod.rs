@@ -44,6 +44,17 @@ pub fn gpu() -> Option<Device> {
     }
 }
 
+/// The greedy token: the first of the largest logits.
+pub fn greedy(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in logits.iter().enumerate() {
+        if x > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 /// Whether this build runs fp8 (e4m3) K/V on CUDA: its kernels need compute capability 89 or
 /// later, so a build for 80 or 86 has none.
 pub fn fp8_kv_built() -> bool {

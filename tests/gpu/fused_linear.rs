@@ -3,7 +3,9 @@
 //! poisoned with NaN first.
 
 use candle_core::{DType, Device, Result, Tensor, D};
-use candle_splitkv::test_hooks::{fused_launch_count, poison_outputs, ring_form_for_all};
+use candle_splitkv::test_hooks::{
+    compiled_compute_cap, fused_launch_count, poison_outputs, ring_form_for_all,
+};
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
 
 use crate::common::gpu;
@@ -193,33 +195,109 @@ fn rejects_bad_shapes() -> Result<()> {
     Ok(())
 }
 
-/// Every prologue and epilogue on each `(n, k)`, fused where the staged input fits.
+/// Every prologue and epilogue on each `(n, k)` for one row, fused where the staged input fits.
 fn check_gpu_shapes(dev: &Device, shapes: &[(usize, usize)]) -> Result<()> {
+    // The staged input (and norm weight) must fit in 48 KiB of shared memory.
+    check_gpu_rows(dev, shapes, &[1], |p, _, k| {
+        Some((if p == Prologue::RmsNorm { 4 * k } else { 2 * k }) <= 48 * 1024)
+    })
+}
+
+/// Every prologue and epilogue on each `(n, k)` and row count; `fused(p, rows, k)` says whether
+/// a fused kernel must run (`None`: either may).
+fn check_gpu_rows(
+    dev: &Device,
+    shapes: &[(usize, usize)],
+    row_counts: &[usize],
+    fused: impl Fn(Prologue, usize, usize) -> Option<bool>,
+) -> Result<()> {
     poison_outputs(true);
     for dtype in [DType::BF16, DType::F16] {
         for &(n, k) in shapes {
-            for p in PROLOGUES {
-                for e in EPILOGUES {
-                    if e == Epilogue::SwiGlu && n % 2 != 0 {
-                        continue;
+            for &rows in row_counts {
+                for p in PROLOGUES {
+                    for e in EPILOGUES {
+                        if e == Epilogue::SwiGlu && n % 2 != 0 {
+                            continue;
+                        }
+                        let case = inputs(dev, dtype, rows, n, k)?;
+                        let before = fused_launch_count();
+                        let y = run(&case, p, e)?;
+                        if let Some(fused) = fused(p, rows, k) {
+                            assert_eq!(
+                                fused_launch_count(),
+                                before + u64::from(fused),
+                                "{dtype:?} {rows} × ({n}, {k}) {p:?} {e:?}: a fused kernel ran \
+                                 where it should not, or not where it should"
+                            );
+                        }
+                        let what = format!("cuda {dtype:?} rows {rows} n {n} k {k} {p:?} {e:?}");
+                        check(&what, &y, &case, p, e)?;
                     }
-                    let case = inputs(dev, dtype, 1, n, k)?;
-                    let before = fused_launch_count();
-                    let y = run(&case, p, e)?;
-                    // The staged input (and norm weight) must fit in 48 KiB of shared memory.
-                    let staged = if p == Prologue::RmsNorm { 4 * k } else { 2 * k };
-                    assert_eq!(
-                        fused_launch_count(),
-                        before + u64::from(staged <= 48 * 1024),
-                        "{dtype:?} ({n}, {k}) {p:?} {e:?}: the fused kernel ran where it should \
-                         not, or not where it should"
-                    );
-                    let what = format!("cuda {dtype:?} n {n} k {k} {p:?} {e:?}");
-                    check(&what, &y, &case, p, e)?;
                 }
             }
         }
     }
+    Ok(())
+}
+
+/// The rows kernel (2 to 16 rows on tensor cores): row counts below, at and past one product's
+/// 8; shapes that take 1, 2 and 8 CTAs a cluster, ragged row blocks and slices, widths that do
+/// not fill a tile. An sm_90 build splits k over clusters, so it takes every shape; others take
+/// what one CTA can stage (the outputs are checked either way).
+#[test]
+fn gpu_rows_kernel_matches_reference() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let clusters = compiled_compute_cap().is_some_and(|cap| cap >= 90);
+    check_gpu_rows(
+        &dev,
+        &[
+            (2, 8),
+            (34, 64),
+            (300, 1000),
+            (1000, 1032),
+            (5000, 576),
+            (520, 14336),
+        ],
+        &[2, 5, 8, 9, 16],
+        |_, _, _| clusters.then_some(true),
+    )?;
+    poison_outputs(false);
+    Ok(())
+}
+
+/// The rows kernel on Llama-3-8B's projections at a batch of 16, each with the prologue and
+/// epilogue the model's step gives it (large: not for the memory checkers).
+#[test]
+fn gpu_rows_kernel_llama_shapes() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    if compiled_compute_cap().is_none_or(|cap| cap < 90) {
+        return Ok(());
+    }
+    poison_outputs(true);
+    for ((n, k), p, e) in [
+        ((6144, 4096), Prologue::RmsNorm, Epilogue::Plain),
+        ((4096, 4096), Prologue::Plain, Epilogue::Residual),
+        ((28672, 4096), Prologue::RmsNorm, Epilogue::SwiGlu),
+        ((4096, 14336), Prologue::Plain, Epilogue::Residual),
+    ] {
+        let case = inputs(&dev, DType::BF16, 16, n, k)?;
+        let before = fused_launch_count();
+        let y = run(&case, p, e)?;
+        assert_eq!(
+            fused_launch_count(),
+            before + 1,
+            "16 × ({n}, {k}) did not run fused"
+        );
+        check(
+            &format!("cuda 16 × ({n}, {k}) {p:?} {e:?}"),
+            &y,
+            &case,
+            p,
+            e,
+        )?;
+    }
+    poison_outputs(false);
     Ok(())
 }
 
@@ -282,14 +360,14 @@ fn gpu_fused_kernel_matches_reference() -> Result<()> {
         Epilogue::Plain,
     )?;
 
-    // Shapes the kernel does not take run candle's ops (SwiGLU in a launch of its own) and
-    // still agree: several rows, a width it cannot stage, f32.
+    // Shapes the kernels do not take run candle's ops (SwiGLU in a launch of its own) and
+    // still agree: more rows than 16, a width that is not whole 16-byte vectors, f32.
     for (rows, n, k, dtype) in [
-        (2, 34, 64, DType::BF16),
-        (5, 64, 64, DType::F16),
-        (16, 1000, 128, DType::BF16),
+        (17, 34, 64, DType::BF16),
+        (3, 10, 12, DType::F16),
         (1, 10, 12, DType::F16),
         (1, 10, 64, DType::F32),
+        (4, 10, 64, DType::F32),
     ] {
         let case = inputs(&dev, dtype, rows, n, k)?;
         for e in EPILOGUES {

@@ -19,7 +19,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::common::own_process::in_own_process;
 use crate::common::tiny_llama::{write_decisive_tiny_model, VOCAB};
-use crate::common::{fp8_kv_built, gpu};
+use crate::common::{fp8_kv_built, gpu, greedy};
 
 fn cache_config(dtype: DType, device: &Device, scales: (f32, f32)) -> KvCacheConfig {
     KvCacheConfig {
@@ -109,17 +109,6 @@ fn gpu_appends_write_what_append_does_on_the_cpu() -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The greedy token.
-fn greedy(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Decodes `steps` greedy tokens after `prompt`; after step 10 it rolls back two positions and

@@ -20,7 +20,7 @@ use candle_splitkv::{fused_linear, KvCache, KvCacheConfig, LinearInput, LinearOu
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::common::tiny_llama::{write_decisive_tiny_model, VOCAB};
-use crate::common::{fp8_kv_built, gpu};
+use crate::common::{fp8_kv_built, gpu, greedy};
 
 const HIDDEN: usize = 256;
 const EPS: f32 = 1e-5;
@@ -306,16 +306,6 @@ fn gpu_qkv_rope_append_is_the_unfused_chain_bit_for_bit() -> Result<()> {
     }
     println!("fused q/k/v step: {cases} cases bit for bit with the unfused chain and within rounding of f64");
     Ok(())
-}
-
-fn greedy(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// The tiny Llama's decode steps (fed from device memory) with the fused q/k/v kernel and with

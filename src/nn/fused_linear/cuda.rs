@@ -1,12 +1,12 @@
 //! Launches the fused matrix-vector kernel (`kernels/matvec.cuh`) for one f16/bf16 row on
-//! candle's stream.
+//! candle's stream, or hands a few rows to [`rows`].
 
 use candle_core::cuda::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use half::{bf16, f16};
 
-use super::{LinearInput, LinearOutput};
+use super::{rows, LinearInput, LinearOutput};
 use crate::cuda::kernels::{KernelForm, KernelSpec, MatVecEpilogue, MatVecParams, MatVecPrologue};
 use crate::cuda::launch::{
     device_ptr, launch_dependent, max_dynamic_smem, resident_ctas, tensor_ptr,
@@ -21,9 +21,18 @@ pub(super) const MAX_STAGED_BYTES: usize = 48 * 1024;
 /// fast or faster in the register forms, which start streaming with less setup.
 const RING_MIN_WEIGHT_BYTES: usize = 128 << 20;
 
-/// Runs the fused kernel when it applies (CUDA, f16/bf16, one row, 16-byte aligned rows, input
-/// small enough to stage); `None` means the caller should run the unfused ops. Shapes were
-/// checked by the caller.
+/// The operands of one fused call, as the caller passed them.
+#[derive(Clone, Copy)]
+pub(super) struct Operands<'a> {
+    pub x: &'a Tensor,
+    pub w: &'a Tensor,
+    pub input: LinearInput<'a>,
+    pub output: LinearOutput<'a>,
+}
+
+/// Runs a fused kernel when one applies (CUDA, f16/bf16, one row, or up to
+/// [`rows::MAX_ROWS`] rows on tensor cores, 16-byte aligned rows, the input small enough to
+/// stage); `None` means the caller should run the unfused ops. Shapes were checked by the caller.
 pub(super) fn try_fused(
     x: &Tensor,
     w: &Tensor,
@@ -39,10 +48,10 @@ pub(super) fn try_fused(
     let elem = x.dtype().size_in_bytes();
     let vec_aligned = |t: &Tensor| t.is_contiguous() && t.layout().start_offset().is_multiple_of(8);
     let eligible = matches!(x.dtype(), DType::F16 | DType::BF16)
-        && rows == 1
+        && (1..=rows::MAX_ROWS).contains(&rows)
         && k.is_multiple_of(8)
-        && staged_bytes(input, k, elem) <= MAX_STAGED_BYTES
         && n <= i32::MAX as usize
+        && k <= i32::MAX as usize
         && vec_aligned(x)
         && vec_aligned(w)
         && match output {
@@ -56,10 +65,29 @@ pub(super) fn try_fused(
     if !eligible {
         return Ok(None);
     }
-    let y = match x.dtype() {
-        DType::F16 => launch::<f16>(dev, x, w, input, output, n, k)?,
-        DType::BF16 => launch::<bf16>(dev, x, w, input, output, n, k)?,
-        _ => return Ok(None),
+    let ops = Operands {
+        x,
+        w,
+        input,
+        output,
+    };
+    let y = if rows == 1 {
+        if staged_bytes(input, k, elem) > MAX_STAGED_BYTES {
+            return Ok(None);
+        }
+        match x.dtype() {
+            DType::F16 => launch::<f16>(dev, &ops, n, k)?,
+            DType::BF16 => launch::<bf16>(dev, &ops, n, k)?,
+            _ => return Ok(None),
+        }
+    } else {
+        let y = match x.dtype() {
+            DType::F16 => rows::launch::<f16>(dev, &ops, rows, (n, k))?,
+            DType::BF16 => rows::launch::<bf16>(dev, &ops, rows, (n, k))?,
+            _ => None,
+        };
+        let Some(y) = y else { return Ok(None) };
+        y
     };
     let storage = Storage::Cuda(y);
     Ok(Some(Tensor::from_storage(
@@ -72,10 +100,29 @@ pub(super) fn try_fused(
 
 /// A fused launch: the kernel, its grid and the dynamic shared memory it takes.
 pub(super) struct Launch {
-    pub spec: &'static KernelSpec,
-    pub func: CudaFunction,
-    pub grid: u32,
-    pub smem_bytes: usize,
+    spec: &'static KernelSpec,
+    func: CudaFunction,
+    grid: u32,
+    smem_bytes: usize,
+}
+
+impl Launch {
+    /// Launches the kernel with `params` on candle's stream, as a programmatic dependent of the
+    /// kernel before (see [`launch_dependent`]).
+    ///
+    /// # Safety
+    ///
+    /// `params` must be the kernel's parameter block, and every address in it valid for what the
+    /// kernel reads and writes.
+    pub unsafe fn run<P: DeviceRepr>(&self, dev: &CudaDevice, params: &P) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (self.grid, 1, 1),
+            block_dim: (self.spec.threads, 1, 1),
+            shared_mem_bytes: self.smem_bytes as u32,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { launch_dependent(&self.func, dev, cfg, None, params) }
+    }
 }
 
 /// The forms of one kernel built on matvec.cuh's stream: the ring form (where it has one) and the
@@ -183,20 +230,18 @@ pub(super) fn address<T: CudaDType>(t: &Tensor, dev: &CudaDevice) -> Result<u64>
 
 fn launch<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
-    x: &Tensor,
-    w: &Tensor,
-    input: LinearInput,
-    output: LinearOutput,
+    ops: &Operands,
     n: usize,
     k: usize,
 ) -> Result<CudaStorage> {
+    let Operands {
+        x,
+        w,
+        input,
+        output,
+    } = *ops;
     let staged = staged_bytes(input, k, std::mem::size_of::<T>());
-    let Launch {
-        spec,
-        func,
-        grid,
-        smem_bytes,
-    } = pick_kernel(dev, PRODUCT_FORMS, (x.dtype(), x.dtype()), (n, k), staged)?;
+    let kernel = pick_kernel(dev, PRODUCT_FORMS, (x.dtype(), x.dtype()), (n, k), staged)?;
     let (epilogue, residual, outputs) = match output {
         LinearOutput::Plain => (MatVecEpilogue::Plain, 0, n),
         LinearOutput::AddResidual(r) => (MatVecEpilogue::Residual, address::<T>(r, dev)?, n),
@@ -225,14 +270,9 @@ fn launch<T: CudaDType + DeviceRepr>(
         epilogue: epilogue as i32,
         eps,
     };
-    let cfg = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (spec.threads, 1, 1),
-        shared_mem_bytes: smem_bytes as u32,
-    };
     // SAFETY: the matvec kernels take one `MatVecParams`; it reads k inputs, n·k weights, k norm weights
     // and n residuals, and writes the outputs allocated above.
-    unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
+    unsafe { kernel.run(dev, &params)? };
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::count_fused_launch();
     Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))

@@ -7,15 +7,15 @@
 
 use candle_core::cuda::CudaDType;
 use candle_core::{CudaDevice, DType, Device, Result, Storage, Tensor};
-use cudarc::driver::{DeviceRepr, LaunchConfig};
+use cudarc::driver::DeviceRepr;
 use float8::F8E4M3;
 use half::{bf16, f16};
 
-use super::cuda::{address, pick_kernel, staged_bytes, Launch, MatVecForms, MAX_STAGED_BYTES};
+use super::cuda::{address, pick_kernel, staged_bytes, MatVecForms, MAX_STAGED_BYTES};
 use crate::cuda::kernels::{
     KernelForm, MatVecEpilogue, MatVecParams, MatVecPrologue, QkvRopeAppendParams,
 };
-use crate::cuda::launch::{device_ptr, launch_dependent};
+use crate::cuda::launch::device_ptr;
 use crate::nn::cache::KvCache;
 
 const FORMS: MatVecForms = MatVecForms {
@@ -127,12 +127,7 @@ impl QkvRopeAppend<'_> {
         let dtype = self.x.dtype();
         let kv_dtype = k_cache.dtype();
         let input = self.rms_input();
-        let Launch {
-            spec,
-            func,
-            grid,
-            smem_bytes,
-        } = pick_kernel(
+        let kernel = pick_kernel(
             dev,
             FORMS,
             (dtype, kv_dtype),
@@ -189,15 +184,10 @@ impl QkvRopeAppend<'_> {
             k_scale,
             v_scale,
         };
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (spec.threads, 1, 1),
-            shared_mem_bytes: smem_bytes as u32,
-        };
         // SAFETY: the kernel takes one `QkvRopeAppendParams`; it reads `hidden` inputs and norm
         // weights, the n·hidden weights, head_dim/2 angles and one start, and writes q (allocated
         // above) and one position below the capacity of each cache head, whose strides these are.
-        unsafe { launch_dependent(&func, dev, cfg, None, &params)? };
+        unsafe { kernel.run(dev, &params)? };
         #[cfg(feature = "test-hooks")]
         crate::test_hooks::count_qkv_append_launch();
         let q = candle_core::CudaStorage::wrap_cuda_slice(q, dev.clone());

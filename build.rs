@@ -628,7 +628,7 @@ fn module_source(members: &[&Instance]) -> Result<String, String> {
         };
         writeln!(
             code,
-            "extern \"C\" __global__ void __launch_bounds__({bounds}) {}(const {} p) {{ {wrapper}::run(p); }}",
+            "extern \"C\" __global__ void __launch_bounds__({bounds}) {}(const __grid_constant__ {} p) {{ {wrapper}::run(p); }}",
             inst.symbol(),
             inst.form.params,
         )
@@ -797,6 +797,10 @@ fn rust_type<'a>(cxx: &'a str, blocks: &[Layout]) -> Result<&'a str, String> {
     }
     if blocks.iter().any(|b| b.name == cxx) {
         return Ok(cxx);
+    }
+    // A TMA descriptor: 128 opaque bytes, 64-byte aligned (crate::cuda::tensor_map).
+    if cxx == "TensorMap" {
+        return Ok("crate::cuda::tensor_map::TensorMap");
     }
     Ok(match cxx {
         "int" => "i32",

@@ -40,6 +40,11 @@
 #include "split_kv_decode_mma.cuh"
 
 // The launch parameters (plain fields, for a generated Rust twin). Strides are in elements.
+// A TMA descriptor (CUtensorMap), opaque to the kernels: 128 bytes, 64-byte aligned.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
 struct PrefillParams {
     const void* q;            // (b, t, h_q, d)
     const void* k;            // (b, L, h_kv, d); paged: a pool (pages, page_size, h_kv, d)
@@ -69,6 +74,12 @@ struct PrefillParams {
     int page_size;            // positions per page
     unsigned page_magic;      // pos / page_size = (umulhi(pos, page_magic) + pos) >> page_shift
     int page_shift;
+    // Read by the sm_90a forms with K/V in q's dtype, not paged, when `tma` is 1: K and V as 4-D
+    // tensors (d, position, kv head, batch) whose boxes are one 64-dim column block of a tile
+    // (kernels/prefill_sm90.cuh), 128-byte swizzled.
+    int tma;
+    TensorMap k_map;
+    TensorMap v_map;
 };
 
 // The tile shape of a head dim. Rows per warp: 32 (two m-tiles) lets each K and V fragment read

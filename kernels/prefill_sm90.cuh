@@ -7,11 +7,13 @@
 // A CTA is three warpgroups over work items of kRows = 128 query rows, one after another: the
 // grid is persistent, as many CTAs as fit, the items dealt in rounds (sm90_item_of_round).
 //   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
-//     a ring of kStages stages with 16-byte cp.async (zero-filling positions past the sequence;
-//     any row stride; paged rows through the block table), wait for them, fence them for the
-//     tensor cores' proxy and arrive on the tile's `full` mbarrier; they wait on its `empty`
+//     a ring of kStages stages and arrive on the tile's `full` mbarrier; they wait on its `empty`
 //     mbarrier before reusing a slot. K and V have barriers of their own, so a K slot frees as
-//     soon as its scores are done. Plain addresses: the host builds no tensor maps.
+//     soon as its scores are done. A tile wholly inside its sequence, with K/V in q's dtype and
+//     not paged, comes by TMA where the host built descriptors (p.tma): one thread issues a box
+//     per 64-dim column block, whose bytes complete the full barrier. Other tiles come by 16-byte
+//     cp.async (zero-filling positions past the sequence; any row stride; paged rows through
+//     the block table), waited for and fenced for the tensor cores' proxy.
 //     fp8 K/V: the copies land in a staging ring of their own, and each thread widens the
 //     pieces it copied to q's dtype into the swizzled ring (produce_fp8_tiles below), so the
 //     products run in q's dtype on the values the cache holds exactly.
@@ -398,6 +400,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         const uint32_t* const pages = PAGED ? p.block_table + (long long)w.b * p.max_pages : nullptr;
         const unsigned full = is_v ? v_full : k_full, empty = is_v ? v_empty : k_empty;
         const unsigned tiles_smem = ring_smem + (is_v ? Cfg::kKvTileBytes : 0);
+        if (!PAGED && p.tma && round == 0 && t == 0) tma_prefetch_descriptor(is_v ? &p.v_map : &p.k_map);
         bool pending = false;  // tile it - 1 copied but not yet announced
         auto announce = [&](int it) {
             fence_proxy_async();
@@ -417,6 +420,29 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
                 mbarrier_wait(empty + 8 * slot, (at / STAGES + 1) & 1);
             }
             const int k0 = (w.hi - 1 - it) * N;
+            if (!PAGED && p.tma && k0 + N <= w.len) {
+                // A whole tile inside the sequence: one thread issues a TMA box per 64-dim column
+                // block, which lands in the swizzled layout and completes its bytes on the full
+                // barrier; the half's other threads arrive at once. An empty commit group keeps
+                // one group per tile for the cp.async tiles around it.
+                const unsigned bar = full + 8 * slot;
+                if (t == 0) {
+                    mbarrier_arrive_expect_tx(bar, Cfg::kKvTileBytes);
+#pragma unroll
+                    for (int j = 0; j < D / 64; ++j)
+                        tma_load_4d(tiles_smem + slot * Cfg::kStageBytes + j * N * 128, is_v ? &p.v_map : &p.k_map,
+                                    j * 64, k0, w.kv_head, w.b, bar);
+                } else {
+                    mbarrier_arrive(bar);
+                }
+                cp_async_commit();
+                if (pending) {
+                    cp_async_wait<1>();
+                    announce(it - 1);
+                }
+                pending = false;
+                continue;
+            }
             const unsigned dst = tiles_smem + slot * Cfg::kStageBytes + swizzled_offset(N, row, piece);
             // Rows row + j·ROW_STEP, 8 rows per swizzle period: the piece's slot in the row
             // alternates with j when ROW_STEP < 8 (a few registers, not one address per row).

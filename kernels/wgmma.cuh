@@ -93,6 +93,30 @@ __device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
     }
 }
 
+// Arrives on `bar` and adds `bytes` to the transaction count its phase waits for (the bytes a
+// tensor copy will deliver to it).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// One box of a 4-D tensor (TMA) from global into shared memory at `dst`, at coordinates
+// (c0, c1, c2, c3) of the descriptor `map` (a kernel parameter's address), completing `bytes`
+// on the mbarrier `bar`. The descriptor's swizzle lays the box out as the operands here expect.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const void* map, int c0, int c1, int c2, int c3,
+                                            unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// Brings a TMA descriptor (a kernel parameter) into the descriptor cache ahead of its first use.
+__device__ __forceinline__ void tma_prefetch_descriptor(const void* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
 // Orders this thread's ordinary shared-memory writes (cp.async ones included, once waited for)
 // before later reads by the tensor cores' asynchronous proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -21,6 +21,7 @@ pub(crate) mod prefill;
 pub(crate) mod rope_split;
 mod split_counters;
 pub(crate) mod swiglu;
+pub(crate) mod tensor_map;
 mod wide_groups;
 
 pub(crate) use dispatch::{forward, split_plan};

@@ -13,6 +13,7 @@ use cudarc::driver::{sys, CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg}
 use super::decode::{check_alignment, u32_ptr};
 use super::kernels::{CombineParams, KernelForm, KernelSpec, PrefillParams};
 use super::launch::{device_ptr, resident_ctas, Residency};
+use super::tensor_map::{TensorMap, Tiled4d};
 use crate::op::call::{CudaKernel, DecodeCall};
 use crate::op::page_divisor::PageDivisor;
 use crate::op::plan::{SplitPlan, MAX_SPLITS};
@@ -394,10 +395,33 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
     let partial_lse = scratch
         .as_ref()
         .map_or(0, |s| device_ptr(s, &dev, rows * num_splits * d));
+    // The sm_90a form copies whole tiles of contiguous or strided 16-bit K/V by TMA: K and V as
+    // (d, position, kv head, batch), a box one 64-dim column block of a tile.
+    let k_ptr = device_ptr(k.as_cuda_slice::<KV>()?, &dev, k_strides.offset);
+    let v_ptr = device_ptr(v.as_cuda_slice::<KV>()?, &dev, v_strides.offset);
+    let tma_map = |base: u64, strides: &RowStrides| {
+        if spec.form != KernelForm::PrefillSm90 || spec.kv_dtype != spec.dtype {
+            return None;
+        }
+        Tiled4d {
+            dtype: spec.dtype,
+            base,
+            dims: [
+                d as u64,
+                dims.kv_len as u64,
+                dims.kv_heads as u64,
+                dims.batch as u64,
+            ],
+            strides: [strides.seq, strides.head, strides.batch].map(|s| (s * kv_bytes) as u64),
+            box_dims: [64, spec.tile_keys as u32, 1, 1],
+        }
+        .encode()
+    };
+    let (k_map, v_map) = (tma_map(k_ptr, &k_strides), tma_map(v_ptr, &v_strides));
     let params = PrefillParams {
         q: device_ptr(q.as_cuda_slice::<T>()?, &dev, q_strides.offset),
-        k: device_ptr(k.as_cuda_slice::<KV>()?, &dev, k_strides.offset),
-        v: device_ptr(v.as_cuda_slice::<KV>()?, &dev, v_strides.offset),
+        k: k_ptr,
+        v: v_ptr,
         out: device_ptr(&out, &dev, 0),
         lse_out: lse_ptr,
         partial_out,
@@ -431,6 +455,9 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         page_size: pages.map_or(0, |p| p.page_size) as i32,
         page_magic: divisor.magic,
         page_shift: divisor.shift as i32,
+        tma: i32::from(k_map.is_some() && v_map.is_some()),
+        k_map: k_map.unwrap_or(TensorMap::NONE),
+        v_map: v_map.unwrap_or(TensorMap::NONE),
     };
     let cfg = LaunchConfig {
         grid_dim: (grid as u32, 1, 1),

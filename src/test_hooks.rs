@@ -125,7 +125,7 @@ pub fn unfuse_qkv_append(on: bool) {
     QKV_APPEND_UNFUSED.set(on);
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "cuda", feature = "models")), allow(dead_code))]
 pub(crate) fn qkv_append_unfused() -> bool {
     QKV_APPEND_UNFUSED.get()
 }
@@ -136,7 +136,7 @@ pub fn qkv_append_launch_count() -> u64 {
     QKV_APPEND_LAUNCHES.get()
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "cuda", feature = "models")), allow(dead_code))]
 pub(crate) fn count_qkv_append_launch() {
     QKV_APPEND_LAUNCHES.set(QKV_APPEND_LAUNCHES.get() + 1);
 }
@@ -146,7 +146,7 @@ pub(crate) fn count_qkv_append_launch() {
 /// token's), k and v appended to `cache` at `starts` (u32 `(1,)` on the device). Returns q
 /// `(1, 1, q_heads, head_dim)`, or `None` where the kernel does not take the step (the model
 /// then runs the unfused chain).
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "models"))]
 pub fn qkv_rope_append(
     x: &Tensor,
     w: &Tensor,

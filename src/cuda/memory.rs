@@ -1,6 +1,5 @@
 //! Device memory: the pool policy for long-running processes, and small stream-ordered writes.
 
-use candle_core::cuda::WrapErr;
 use candle_core::{CudaDevice, Result};
 use cudarc::driver::{result, sys};
 
@@ -32,7 +31,9 @@ pub(crate) fn retain_freed_memory(dev: &CudaDevice) -> Result<()> {
 /// Writes `values` into the first elements of the u32 tensor `t` on its stream, one async
 /// memset per value: stream-ordered like a kernel, with no host buffer to stage (a copy from
 /// pageable host memory would first wait for the stream).
+#[cfg(feature = "models")]
 pub(crate) fn set_u32s(t: &candle_core::Tensor, values: &[u32]) -> Result<()> {
+    use candle_core::cuda::WrapErr;
     let candle_core::Device::Cuda(dev) = t.device() else {
         candle_core::bail!("set_u32s: the tensor is not on a CUDA device")
     };

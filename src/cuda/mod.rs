@@ -10,6 +10,8 @@ mod decode;
 mod decode_kernel;
 mod dispatch;
 pub(crate) mod fp8_convert;
+// CUDA graphs and the RoPE split serve the model stack's decode step.
+#[cfg(feature = "models")]
 pub(crate) mod graph;
 pub(crate) mod kernels;
 pub(crate) mod launch;
@@ -18,6 +20,7 @@ pub(crate) mod memory;
 mod modules;
 mod planner;
 pub(crate) mod prefill;
+#[cfg(feature = "models")]
 pub(crate) mod rope_split;
 mod split_counters;
 pub(crate) mod swiglu;

@@ -240,7 +240,7 @@ impl CachedAttention {
     /// step are already stored at `lengths.before` (by a kernel that computed and appended
     /// them, see [`KvCache::append_in_place`]); `k_all` and `v_all` are its views over the
     /// capacity. What [`AttentionStep::at`] runs after its append.
-    #[cfg(feature = "cuda")]
+    #[cfg(all(feature = "cuda", feature = "models"))]
     pub(crate) fn forward_appended(
         &self,
         q: &Tensor,

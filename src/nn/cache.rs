@@ -315,7 +315,7 @@ impl KvCache {
     /// counts them: [`KvCache::append_at`] for a kernel that computes the rows and stores them
     /// in one launch, at the lengths it reads from device memory. Returns the views over the
     /// whole capacity.
-    #[cfg(feature = "cuda")]
+    #[cfg(all(feature = "cuda", feature = "models"))]
     pub(crate) fn append_in_place(
         &mut self,
         t: usize,
@@ -330,7 +330,7 @@ impl KvCache {
     /// Whether a kernel may store rows of `dtype` in this cache by themselves: the cache holds
     /// them as they are (its dtype, unscaled), or quantizes them to fp8 with its scales, as the
     /// cache-write kernel does.
-    #[cfg(feature = "cuda")]
+    #[cfg(all(feature = "cuda", feature = "models"))]
     pub(crate) fn stores_rows_of(&self, dtype: DType) -> bool {
         self.dtype() == DType::F8E4M3
             || (self.dtype() == dtype && self.k_scale() == 1.0 && self.v_scale() == 1.0)
@@ -372,14 +372,14 @@ impl KvCache {
     }
 
     /// The ids of the K and V storage: a cache that grew, or another cache, has others.
-    #[cfg(feature = "cuda")]
+    #[cfg(all(feature = "cuda", feature = "models"))]
     pub(crate) fn storage_ids(&self) -> (candle_core::TensorId, candle_core::TensorId) {
         (self.k.id(), self.v.id())
     }
 
     /// Counts `t` positions appended to every sequence by device work whose host side did not
     /// run again (a replayed graph of [`KvCache::append_at`]).
-    #[cfg(feature = "cuda")]
+    #[cfg(all(feature = "cuda", feature = "models"))]
     pub(crate) fn count_appended(&mut self, t: usize) {
         self.seq_lens.iter_mut().for_each(|len| *len += t);
     }

@@ -12,7 +12,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
+#[cfg(all(feature = "cuda", feature = "models"))]
 pub(crate) mod qkv_rope_append;
 #[cfg(feature = "cuda")]
 mod rows;

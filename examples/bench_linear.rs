@@ -89,24 +89,21 @@ fn main() -> anyhow::Result<()> {
                 linear_unfused(&x, &w[i], input, output)?;
                 Ok(())
             };
-            // (label, forced k-splits): the plain runs, then the fused kernel at each count asked.
-            let mut runs: Vec<(String, Option<usize>)> = vec![
-                ("fused".to_string(), None),
-                ("candle_unfused".to_string(), None),
+            // (label, call, forced k-splits): the plain runs, then the fused kernel at each
+            // count asked.
+            type Call<'a> = &'a dyn Fn(usize) -> anyhow::Result<()>;
+            let mut runs: Vec<(String, Call, Option<usize>)> = vec![
+                ("fused".to_string(), &fused, None),
+                ("candle_unfused".to_string(), &unfused, None),
             ];
             if rows > 1 {
                 runs.extend(
                     args.rows_splits
                         .iter()
-                        .map(|&s| (format!("fused_splits_{s}"), Some(s))),
+                        .map(|&s| (format!("fused_splits_{s}"), &fused as Call, Some(s))),
                 );
             }
-            for (backend, splits) in runs {
-                let call: &dyn Fn(usize) -> anyhow::Result<()> = if backend == "candle_unfused" {
-                    &unfused
-                } else {
-                    &fused
-                };
+            for (backend, call, splits) in runs {
                 candle_splitkv::test_hooks::force_rows_splits(splits);
                 if splits.is_some() {
                     // A count the kernel cannot take runs candle's ops: leave it out.

@@ -38,17 +38,26 @@ struct Shape {
     elem: usize,
 }
 
+/// Columns of k per CTA with `splits` CTAs along k: whole tiles.
+fn slice_columns(k: usize, splits: usize) -> usize {
+    k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS
+}
+
+/// Whether every one of `splits` CTAs along k gets columns (more splits leave more without).
+fn every_split_has_columns(k: usize, splits: usize) -> bool {
+    splits >= 1 && (splits - 1) * slice_columns(k, splits) < k
+}
+
 /// The plan with `splits` CTAs along k, or `None` where a CTA could not stage its slice in
 /// `smem_limit` bytes or a split would be left without columns.
 fn plan_with(splits: usize, s: Shape, fixed_smem: usize, smem_limit: usize) -> Option<Plan> {
-    if splits == 0 {
+    if !every_split_has_columns(s.k, splits) {
         return None;
     }
-    let slice = s.k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS;
+    let slice = slice_columns(s.k, splits);
     let staged_rows = s.rows.div_ceil(MATVEC_ROWS_PER_PRODUCT) * MATVEC_ROWS_PER_PRODUCT;
     let smem_bytes = fixed_smem + staged_rows * (slice * s.elem + MATVEC_ROWS_PAD_BYTES);
-    let every_split_has_columns = (splits - 1) * slice < s.k;
-    (every_split_has_columns && smem_bytes <= smem_limit).then_some(Plan {
+    (smem_bytes <= smem_limit).then_some(Plan {
         splits,
         slice,
         smem_bytes,
@@ -72,9 +81,7 @@ fn plan(
     let mut best = None;
     let mut splits = 1;
     while splits <= most_splits {
-        let slice =
-            s.k.div_ceil(splits).div_ceil(MATVEC_ROWS_TILE_COLUMNS) * MATVEC_ROWS_TILE_COLUMNS;
-        if splits > 1 && (splits - 1) * slice >= s.k {
+        if !every_split_has_columns(s.k, splits) {
             break;
         }
         if let Some(p) = plan_with(splits, s, fixed_smem, smem_limit) {

@@ -41,6 +41,12 @@
 #include "prefill.cuh"
 #include "wgmma.cuh"
 
+// A compile-time switch of a consumer's tile step (whether it carries the mask code, whether it
+// is an item's last): a type, so that each kind of step compiles to a body of its own.
+template <bool kMask> struct TileMask {
+    static constexpr bool value = kMask;
+};
+
 // The tile shape of a head dim: K/V positions per tile and ring stages (as many as shared memory
 // holds: the ring hides the copies' latency). At D = 256 the output accumulator alone takes 128
 // registers a thread, so score tiles are 64 keys wide. fp8 K/V give some of the ring's shared
@@ -370,7 +376,9 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     }
     __syncthreads();
 
-    const int warpgroup = threadIdx.x / 128;
+    // The same on every lane of a warp; read from lane 0 the compiler knows it (uniform registers
+    // for what derives from it, such as the consumers' descriptors).
+    const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
     if (warpgroup == 0) {
         // Producer: warps 0-1 copy K tiles, warps 2-3 V tiles, each half on its own barriers, so
         // that a K tile is announced, and its slot reused, independently of the V tile beside it.
@@ -575,10 +583,11 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             if (lane == 0) mbarrier_arrive(empty + 8 * slot);
         };
 
-        // Mask and exponentiate the scores of the tile from key k0 in place; returns the factor
-        // by which each row's earlier output must shrink.
-        auto softmax = [&](int k0, float (&factor)[2]) {
-            if (k0 + N > wg_full_end) {
+        // Mask (kMask: the tile reaches past some row's last key) and exponentiate the scores
+        // of the tile from key k0 in place; returns the factor by which each row's earlier
+        // output must shrink.
+        auto softmax = [&](auto mask, int k0, float (&factor)[2]) {
+            if (decltype(mask)::value && k0 + N > wg_full_end) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = my_row + 8 * h;
@@ -668,10 +677,14 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             release(k_empty, slot);
             if (count == 1) prefetch_next_query();
             float factor[2];
-            softmax((hi - 1) * N, factor);
+            softmax(TileMask<true>{}, (hi - 1) * N, factor);
             rescale_and_pack(factor);
         }
-        for (int it = 1; it < count; ++it) {
+        // Tiles it ≥ 1. Keys run downwards, so the tiles that need a mask (those reaching past
+        // the warpgroup's first row's last key) come first; the rest run a loop of their own
+        // with no mask code in it, which the compiler schedules as one straight body.
+        // The last tile (`last`) also starts the next item's query copy.
+        auto tile = [&](int it, auto mask, auto last) {
             const int at = before + it;
             const int slot = at % STAGES, prev = (at - 1) % STAGES;
             mbarrier_wait(k_full + 8 * slot, (at / STAGES) & 1);
@@ -689,15 +702,23 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             wgmma_wait<1>();  // the scores
             wgmma_hold(s);
             release(k_empty, slot);
-            if (it == count - 1) prefetch_next_query();
+            if constexpr (decltype(last)::value) prefetch_next_query();
             float factor[2];
-            softmax((hi - 1 - it) * N, factor);
+            softmax(mask, (hi - 1 - it) * N, factor);
             wgmma_wait<0>();  // the values of tile it - 1
             wgmma_hold(o);
             wgmma_hold(pf);
             release(v_empty, prev);
             rescale_and_pack(factor);
-        }
+        };
+        // Tile it needs the mask while (hi - it)·N > wg_full_end, i.e. it < hi - wg_full_end / N.
+        // The bound is the same on every lane; read from lane 0 the compiler knows it, and keeps
+        // the loops' counters and the descriptors built from them in uniform registers.
+        const int masked_end = __shfl_sync(0xffffffffu, max(1, min(count - 1, hi - wg_full_end / N)), 0);
+        int it = 1;
+        for (; it < masked_end; ++it) tile(it, TileMask<true>{}, TileMask<false>{});
+        for (; it < count - 1; ++it) tile(it, TileMask<false>{}, TileMask<false>{});
+        if (count > 1) tile(count - 1, TileMask<true>{}, TileMask<true>{});
         {
             const int last = count - 1;
             mbarrier_wait(v_full + 8 * ((before + last) % STAGES), ((before + last) / STAGES) & 1);

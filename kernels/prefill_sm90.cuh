@@ -43,8 +43,8 @@
 
 // A compile-time switch of a consumer's tile step (whether it carries the mask code, whether it
 // is an item's last): a type, so that each kind of step compiles to a body of its own.
-template <bool kMask> struct TileMask {
-    static constexpr bool value = kMask;
+template <bool kOn> struct StepSwitch {
+    static constexpr bool value = kOn;
 };
 
 // The tile shape of a head dim: K/V positions per tile and ring stages (as many as shared memory
@@ -583,7 +583,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             if (lane == 0) mbarrier_arrive(empty + 8 * slot);
         };
 
-        // Mask (kMask: the tile reaches past some row's last key) and exponentiate the scores
+        // Mask (`mask` on: the tile reaches past some row's last key) and exponentiate the scores
         // of the tile from key k0 in place; returns the factor by which each row's earlier
         // output must shrink.
         auto softmax = [&](auto mask, int k0, float (&factor)[2]) {
@@ -677,7 +677,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             release(k_empty, slot);
             if (count == 1) prefetch_next_query();
             float factor[2];
-            softmax(TileMask<true>{}, (hi - 1) * N, factor);
+            softmax(StepSwitch<true>{}, (hi - 1) * N, factor);
             rescale_and_pack(factor);
         }
         // Tiles it ≥ 1. Keys run downwards, so the tiles that need a mask (those reaching past
@@ -716,9 +716,9 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         // the loops' counters and the descriptors built from them in uniform registers.
         const int masked_end = __shfl_sync(0xffffffffu, max(1, min(count - 1, hi - wg_full_end / N)), 0);
         int it = 1;
-        for (; it < masked_end; ++it) tile(it, TileMask<true>{}, TileMask<false>{});
-        for (; it < count - 1; ++it) tile(it, TileMask<false>{}, TileMask<false>{});
-        if (count > 1) tile(count - 1, TileMask<true>{}, TileMask<true>{});
+        for (; it < masked_end; ++it) tile(it, StepSwitch<true>{}, StepSwitch<false>{});
+        for (; it < count - 1; ++it) tile(it, StepSwitch<false>{}, StepSwitch<false>{});
+        if (count > 1) tile(count - 1, StepSwitch<true>{}, StepSwitch<true>{});
         {
             const int last = count - 1;
             mbarrier_wait(v_full + 8 * ((before + last) % STAGES), ((before + last) / STAGES) & 1);

@@ -38,9 +38,21 @@ struct Args {
     /// a number at least the call's work items runs one item per CTA.
     #[arg(long)]
     persistent_ctas: Option<usize>,
+    /// Which kernels run the calls: `auto` (the op's rule), `mma-sync` (the sm_80 form, on any
+    /// GPU it builds for) or `wgmma` (the sm_90a form).
+    #[arg(long, value_enum, default_value_t = Route::Auto)]
+    route: Route,
     /// Print the grid's shapes as `b,hq,hk,t,past,d;...` and exit.
     #[arg(long)]
     peer_shapes: bool,
+}
+
+/// The prefill kernels a run is forced onto (the test hook's routes).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Auto,
+    MmaSync,
+    Wgmma,
 }
 
 /// One point of the grid.
@@ -155,7 +167,8 @@ fn dtype_name(dtype: DType) -> &'static str {
 fn bench(args: &Args, points: &[Point]) -> Result<()> {
     use candle_core::{Device, Tensor};
     use candle_splitkv::test_hooks::{
-        compiled_compute_cap, force_persistent_ctas, last_attention_form,
+        compiled_compute_cap, force_persistent_ctas, force_prefill_route, last_attention_form,
+        PrefillRoute,
     };
     use candle_splitkv::{quantize_e4m3, SplitKvAttention};
     use serde_json::json;
@@ -170,6 +183,11 @@ fn bench(args: &Args, points: &[Point]) -> Result<()> {
         bail!("--persistent-ctas must be at least 1");
     }
     force_persistent_ctas(args.persistent_ctas);
+    force_prefill_route(match args.route {
+        Route::Auto => PrefillRoute::Auto,
+        Route::MmaSync => PrefillRoute::MmaSync,
+        Route::Wgmma => PrefillRoute::Wgmma,
+    });
     if !fp8_built {
         eprintln!("bench_prefill: this build has no fp8 K/V kernels; fp8 points left out");
     }

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_splitkv::test_hooks::{
-    compiled_compute_cap, fused_launch_count, poison_outputs, ring_form_for_all,
+    compiled_compute_cap, force_rows_splits, fused_launch_count, poison_outputs, ring_form_for_all,
 };
 use candle_splitkv::{fused_linear, LinearInput, LinearOutput};
 
@@ -242,9 +242,11 @@ fn check_gpu_rows(
 }
 
 /// The rows kernel (2 to 16 rows on tensor cores): row counts below, at and past one product's
-/// 8; shapes that take 1, 2 and 8 CTAs a cluster, ragged row blocks and slices, widths that do
-/// not fill a tile. An sm_90 build splits k over clusters, so it takes every shape; others take
-/// what one CTA can stage (the outputs are checked either way).
+/// 8; shapes that take 1, 2 and 4 CTAs a cluster (8 when forced), ragged row blocks and slices,
+/// widths that do not fill a tile. An sm_90 build splits k over clusters of up to 4 CTAs, so it
+/// takes every shape but a 14,336-column one past 8 rows, whose quarter slices do not fit two
+/// CTAs an SM (the plan leaves it to candle's ops); others take what one CTA can stage (the
+/// outputs are checked either way).
 #[test]
 fn gpu_rows_kernel_matches_reference() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -260,14 +262,25 @@ fn gpu_rows_kernel_matches_reference() -> Result<()> {
             (520, 14336),
         ],
         &[2, 5, 8, 9, 16],
-        |_, _, _| clusters.then_some(true),
+        |_, rows, k| clusters.then_some(rows <= 8 || k < 14336),
     )?;
+    if clusters {
+        // Clusters of 8 CTAs, which the plan no longer picks, on shapes that give each CTA columns.
+        force_rows_splits(Some(8));
+        let forced = check_gpu_rows(&dev, &[(300, 1000), (520, 14336)], &[9, 16], |_, _, _| {
+            Some(true)
+        });
+        force_rows_splits(None);
+        forced?;
+    }
     poison_outputs(false);
     Ok(())
 }
 
 /// The rows kernel on Llama-3-8B's projections at a batch of 16, each with the prologue and
-/// epilogue the model's step gives it (large: not for the memory checkers).
+/// epilogue the model's step gives it (large: not for the memory checkers). The plan leaves the
+/// down projection to candle's ops, which measured faster than the clusters of 8 CTAs it would
+/// need; it runs here with 8 forced.
 #[test]
 fn gpu_rows_kernel_llama_shapes() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
@@ -275,15 +288,34 @@ fn gpu_rows_kernel_llama_shapes() -> Result<()> {
         return Ok(());
     }
     poison_outputs(true);
-    for ((n, k), p, e) in [
-        ((6144, 4096), Prologue::RmsNorm, Epilogue::Plain),
-        ((4096, 4096), Prologue::Plain, Epilogue::Residual),
-        ((28672, 4096), Prologue::RmsNorm, Epilogue::SwiGlu),
-        ((4096, 14336), Prologue::Plain, Epilogue::Residual),
+    let down = (4096, 14336);
+    let case = inputs(&dev, DType::BF16, 16, down.0, down.1)?;
+    let before = fused_launch_count();
+    let y = run(&case, Prologue::Plain, Epilogue::Residual)?;
+    assert_eq!(
+        fused_launch_count(),
+        before,
+        "16 × {down:?} ran fused by plan"
+    );
+    check(
+        "cuda 16 × down by plan",
+        &y,
+        &case,
+        Prologue::Plain,
+        Epilogue::Residual,
+    )?;
+    for ((n, k), p, e, splits) in [
+        ((6144, 4096), Prologue::RmsNorm, Epilogue::Plain, None),
+        ((4096, 4096), Prologue::Plain, Epilogue::Residual, None),
+        ((28672, 4096), Prologue::RmsNorm, Epilogue::SwiGlu, None),
+        (down, Prologue::Plain, Epilogue::Residual, Some(8)),
     ] {
         let case = inputs(&dev, DType::BF16, 16, n, k)?;
         let before = fused_launch_count();
-        let y = run(&case, p, e)?;
+        force_rows_splits(splits);
+        let y = run(&case, p, e);
+        force_rows_splits(None);
+        let y = y?;
         assert_eq!(
             fused_launch_count(),
             before + 1,

@@ -19,6 +19,12 @@ use crate::cuda::launch::{
 
 pub(super) use crate::cuda::kernels::MATVEC_MAX_ROWS as MAX_ROWS;
 
+/// The most CTAs along k the plan takes (sm_90 clusters). Clusters of 8 measured slower than 4
+/// wherever 4 fit (one more round of pushes, and grids past one wave of resident CTAs), and
+/// where a CTA of 4 cannot stage its slice candle's ops were faster than 8; tests and
+/// benchmarks can still force up to [`MATVEC_ROWS_MAX_CLUSTER`].
+const PLANNED_MAX_SPLITS: usize = 4;
+
 /// How a launch divides the work: clusters of `splits` CTAs along k, each CTA staging `slice`
 /// columns of the rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +122,7 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     } else {
         1
     };
+    let planned_most_splits = most_splits.min(PLANNED_MAX_SPLITS);
     let shape = Shape {
         n,
         k,
@@ -129,7 +136,7 @@ pub(super) fn launch<T: CudaDType + DeviceRepr>(
     let plan = match forced {
         Some(splits) if splits > most_splits => None,
         Some(splits) => plan_with(splits, shape, spec.smem_bytes, smem_limit),
-        None => plan(shape, spec.smem_bytes, smem_limit, sms, most_splits),
+        None => plan(shape, spec.smem_bytes, smem_limit, sms, planned_most_splits),
     };
     let Some(plan) = plan else {
         return Ok(None);

@@ -91,15 +91,16 @@ struct PrefillParams {
 //
 // Builds for targets before sm_90 keep within kMaxSmemPerCta (99 KiB), where 128 rows and two
 // stages of 64-key tiles at D = 256 would take 198 KiB: there (kNarrow) four warps of 16 rows
-// stream 16-key tiles through three stages (83 KiB).
+// stream 32-key tiles through two stages, 99 KiB to the byte (16-key tiles paid a ring wait and
+// a block barrier for every 16 keys).
 template <int D> struct PrefillShape {
     // 128 query rows and two stages of 64-key K and V tiles, 16-bit rows padded by 16 bytes.
     static constexpr int kWideBytes = (128 + 2 * 2 * 64) * (2 * D + 16);
     static constexpr bool kNarrow = D > 128 && kWideBytes > kMaxSmemPerCta;
     static constexpr int kWarps = D <= 128 || kNarrow ? 4 : 8;
     static constexpr int kMTiles = D <= 128 ? 2 : 1;   // 16-row m-tiles per warp
-    static constexpr int kKeys = kNarrow ? 16 : (D <= 64 || D > 128 ? 64 : 32);  // K/V positions per tile
-    static constexpr int kStages = kNarrow ? 3 : 2;    // K/V tiles in the ring
+    static constexpr int kKeys = kNarrow ? 32 : (D <= 64 || D > 128 ? 64 : 32);  // K/V positions per tile
+    static constexpr int kStages = 2;  // K/V tiles in the ring
     static constexpr bool kQueryInRegisters = D <= 64;
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
 };

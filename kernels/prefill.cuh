@@ -91,8 +91,8 @@ struct PrefillParams {
 //
 // Builds for targets before sm_90 keep within kMaxSmemPerCta (99 KiB), where 128 rows and two
 // stages of 64-key tiles at D = 256 would take 198 KiB: there (kNarrow) four warps of 16 rows
-// stream 32-key tiles through two stages, 99 KiB to the byte (16-key tiles paid a ring wait and
-// a block barrier for every 16 keys).
+// stream 32-key tiles through two stages, 99 KiB to the byte (16-key tiles measured slower:
+// a ring wait and a block barrier every 16 keys).
 template <int D> struct PrefillShape {
     // 128 query rows and two stages of 64-key K and V tiles, 16-bit rows padded by 16 bytes.
     static constexpr int kWideBytes = (128 + 2 * 2 * 64) * (2 * D + 16);

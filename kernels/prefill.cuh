@@ -12,8 +12,9 @@
 // batches, then query tiles from the last: the tiles that see the most keys start first.
 //
 // Per CTA, K/V tiles of kKeys positions stream through a ring of kStages shared-memory stages
-// (cp.async, one block barrier per tile), from the diagonal down, so the tiles that need a mask
-// come first and the rest run unmasked. Each warp owns kMTiles × 16 consecutive rows:
+// (cp.async, one block barrier per tile), or, where shared memory holds one tile of each only
+// (kSplitKv), through one K and one V buffer on waits of their own; from the diagonal down, so
+// the tiles that need a mask come first and the rest run unmasked. Each warp owns kMTiles × 16 consecutive rows:
 //   S (rows × keys) = Q (rows × D) · Kᵀ   — Q fragments by `ldmatrix` (held in registers or
 //                                           reloaded per tile), K fragments by `ldmatrix`
 //   O (rows × D)   += P (rows × keys) · V — P straight from the S accumulators, V fragments by

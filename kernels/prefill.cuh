@@ -12,8 +12,9 @@
 // batches, then query tiles from the last: the tiles that see the most keys start first.
 //
 // Per CTA, K/V tiles of kKeys positions stream through a ring of kStages shared-memory stages
-// (cp.async, one block barrier per tile), from the diagonal down, so the tiles that need a mask
-// come first and the rest run unmasked. Each warp owns kMTiles × 16 consecutive rows:
+// (cp.async, one block barrier per tile), or, where shared memory holds one tile of each only
+// (kSplitKv), through one K and one V buffer on waits of their own; from the diagonal down, so
+// the tiles that need a mask come first and the rest run unmasked. Each warp owns kMTiles × 16 consecutive rows:
 //   S (rows × keys) = Q (rows × D) · Kᵀ   — Q fragments by `ldmatrix` (held in registers or
 //                                           reloaded per tile), K fragments by `ldmatrix`
 //   O (rows × D)   += P (rows × keys) · V — P straight from the S accumulators, V fragments by
@@ -91,16 +92,18 @@ struct PrefillParams {
 //
 // Builds for targets before sm_90 keep within kMaxSmemPerCta (99 KiB), where 128 rows and two
 // stages of 64-key tiles at D = 256 would take 198 KiB: there (kNarrow) four warps of 16 rows
-// stream 32-key tiles through two stages, 99 KiB to the byte (16-key tiles measured slower:
-// a ring wait and a block barrier every 16 keys).
+// hold one 64-key K tile and one V tile, 99 KiB to the byte, on waits of their own
+// (kSplitKv): V lands while the scores are computed, the next K while the values are (32-key
+// tiles through two stages of both measured slower: twice the softmax's per-tile work).
 template <int D> struct PrefillShape {
     // 128 query rows and two stages of 64-key K and V tiles, 16-bit rows padded by 16 bytes.
     static constexpr int kWideBytes = (128 + 2 * 2 * 64) * (2 * D + 16);
     static constexpr bool kNarrow = D > 128 && kWideBytes > kMaxSmemPerCta;
     static constexpr int kWarps = D <= 128 || kNarrow ? 4 : 8;
     static constexpr int kMTiles = D <= 128 ? 2 : 1;   // 16-row m-tiles per warp
-    static constexpr int kKeys = kNarrow ? 32 : (D <= 64 || D > 128 ? 64 : 32);  // K/V positions per tile
-    static constexpr int kStages = 2;  // K/V tiles in the ring
+    static constexpr int kKeys = D <= 64 || D > 128 ? 64 : 32;  // K/V positions per tile
+    static constexpr bool kSplitKv = kNarrow;  // one K and one V buffer, each on its own wait
+    static constexpr int kStages = kSplitKv ? 1 : 2;  // K/V tiles in the ring
     static constexpr bool kQueryInRegisters = D <= 64;
     static constexpr int kMinCtasPerSm = D <= 128 ? 2 : 1;
 };
@@ -139,6 +142,7 @@ template <class Traits> struct PrefillTiling {
     static constexpr int kRows = kWarps * kMTiles * 16;
     static constexpr int kKeys = Shape::kKeys;
     static constexpr int kStages = Shape::kStages;
+    static constexpr bool kSplitKv = Shape::kSplitKv;
     static constexpr bool kQueryInRegisters = Shape::kQueryInRegisters;
     static constexpr int kMinCtasPerSm = Shape::kMinCtasPerSm;
     static constexpr int kQueryRowBytes = kHeadDim * 2;  // the products' operands are 16-bit
@@ -241,7 +245,8 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     static_assert(sizeof(T) == 2, "queries are f16 or bf16");
     static_assert(FP8 || sizeof(KV) == sizeof(T), "K/V are T or fp8");
     static_assert(D % 16 == 0 && N % 16 == 0, "head dim and tile keys are multiples of 16");
-    static_assert(STAGES >= 2, "at least one tile in flight while one is computed");
+    constexpr bool SPLIT_KV = Cfg::kSplitKv;
+    static_assert(STAGES >= 2 || SPLIT_KV, "at least one tile in flight while one is computed");
 
     extern __shared__ __align__(16) unsigned char smem[];
     if (dynamic_smem_bytes() < (unsigned)Cfg::kSmemBytes) __trap();
@@ -310,7 +315,8 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     constexpr bool kFixedPiece = THREADS % KV_PIECES == 0 && N % kRowStep == 0;
     const int load_row = threadIdx.x / KV_PIECES, load_piece = threadIdx.x % KV_PIECES;
     const unsigned load_dst = KvRows::offset(load_row, load_piece);
-    auto load_tile = [&](int slot, int n) {
+    // Tile n's K (with_k) and V (with_v) rows into ring stage `slot`.
+    auto load_tile = [&](int slot, int n, bool with_k, bool with_v) {
         const int k0 = n * N;
         const unsigned k_s = ring_smem + slot * Cfg::kStageBytes;
         const unsigned v_s = k_s + Cfg::kKvTileBytes;
@@ -322,8 +328,8 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
             for (int j = 0; j < LOADS; ++j) {
                 const bool valid = j * kRowStep < rows_left;
                 const unsigned dst = load_dst + j * kRowStep * KvRows::kStride;
-                cp_async16_zfill(k_s + dst, valid ? k_src + j * kRowStep * k_row_bytes : k_base, valid);
-                cp_async16_zfill(v_s + dst, valid ? v_src + j * kRowStep * v_row_bytes : v_base, valid);
+                if (with_k) cp_async16_zfill(k_s + dst, valid ? k_src + j * kRowStep * k_row_bytes : k_base, valid);
+                if (with_v) cp_async16_zfill(v_s + dst, valid ? v_src + j * kRowStep * v_row_bytes : v_base, valid);
             }
         } else {
 #pragma unroll
@@ -345,8 +351,8 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
                     k_at = (long long)pos * k_row_bytes;
                     v_at = (long long)pos * v_row_bytes;
                 }
-                cp_async16_zfill(k_s + dst, k_base + k_at + c * 16, valid);
-                cp_async16_zfill(v_s + dst, v_base + v_at + c * 16, valid);
+                if (with_k) cp_async16_zfill(k_s + dst, k_base + k_at + c * 16, valid);
+                if (with_v) cp_async16_zfill(v_s + dst, v_base + v_at + c * 16, valid);
             }
         }
     };
@@ -380,10 +386,13 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
             }
         }
     }
+    if constexpr (SPLIT_KV) {
+        if (count > 0) load_tile(0, hi - 1, true, false);  // the first K, with the query
+    }
     cp_async_commit();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < count) load_tile(s, hi - 1 - s);
+        if (s < count) load_tile(s, hi - 1 - s, true, true);
         cp_async_commit();
     }
 
@@ -657,20 +666,41 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
         }
     };
 
-    // Step `it` of this split streams key tile hi - 1 - it from ring stage it % STAGES.
-    int slot = 0;
-    for (int it = 0; it < count; ++it) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
-        if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it);
-        cp_async_commit();
-        const unsigned k_s = ring_smem + slot * Cfg::kStageBytes;
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
-        const int k0 = (hi - 1 - it) * N;
-        if (k0 >= warp_end || k0 + N <= warp_begin) continue;  // no row of this warp sees it
-        float s[MT][SN][4];
-        score_tile(s, k_s);
-        attend_tile(s, k0, k_s + Cfg::kKvTileBytes);
+    if constexpr (SPLIT_KV) {
+        // Step `it` streams key tile hi - 1 - it: its V is copied while its scores are computed,
+        // and the next tile's K while its values are.
+        const unsigned k_s = ring_smem, v_s = ring_smem + Cfg::kKvTileBytes;
+        for (int it = 0; it < count; ++it) {
+            cp_async_wait<0>();
+            __syncthreads();  // K visible to all; every warp done with the last tile's V
+            load_tile(0, hi - 1 - it, false, true);
+            cp_async_commit();
+            const int k0 = (hi - 1 - it) * N;
+            const bool sees = k0 < warp_end && k0 + N > warp_begin;  // some row of this warp
+            float s[MT][SN][4];
+            if (sees) score_tile(s, k_s);
+            cp_async_wait<0>();
+            __syncthreads();  // V visible to all; every warp done with this tile's K
+            if (it + 1 < count) load_tile(0, hi - 2 - it, true, false);
+            cp_async_commit();
+            if (sees) attend_tile(s, k0, v_s);
+        }
+    } else {
+        // Step `it` of this split streams key tile hi - 1 - it from ring stage it % STAGES.
+        int slot = 0;
+        for (int it = 0; it < count; ++it) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // tile `it` visible to all; the slot of tile it - 1 free for reuse
+            if (it + STAGES - 1 < count) load_tile((it + STAGES - 1) % STAGES, hi - STAGES - it, true, true);
+            cp_async_commit();
+            const unsigned k_s = ring_smem + slot * Cfg::kStageBytes;
+            slot = slot + 1 == STAGES ? 0 : slot + 1;
+            const int k0 = (hi - 1 - it) * N;
+            if (k0 >= warp_end || k0 + N <= warp_begin) continue;  // no row of this warp sees it
+            float s[MT][SN][4];
+            score_tile(s, k_s);
+            attend_tile(s, k0, k_s + Cfg::kKvTileBytes);
+        }
     }
     cp_async_wait<0>();  // no copy outstanding at exit
 

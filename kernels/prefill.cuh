@@ -14,7 +14,8 @@
 // Per CTA, K/V tiles of kKeys positions stream through a ring of kStages shared-memory stages
 // (cp.async, one block barrier per tile), or, where shared memory holds one tile of each only
 // (kSplitKv), through one K and one V buffer on waits of their own; from the diagonal down, so
-// the tiles that need a mask come first and the rest run unmasked. Each warp owns kMTiles × 16 consecutive rows:
+// the tiles that need a mask come first and the rest run unmasked. Each warp owns kMTiles × 16
+// consecutive rows:
 //   S (rows × keys) = Q (rows × D) · Kᵀ   — Q fragments by `ldmatrix` (held in registers or
 //                                           reloaded per tile), K fragments by `ldmatrix`
 //   O (rows × D)   += P (rows × keys) · V — P straight from the S accumulators, V fragments by
@@ -94,7 +95,7 @@ struct PrefillParams {
 // stages of 64-key tiles at D = 256 would take 198 KiB: there (kNarrow) four warps of 16 rows
 // hold one 64-key K tile and one V tile, 99 KiB to the byte, on waits of their own
 // (kSplitKv): V lands while the scores are computed, the next K while the values are (32-key
-// tiles through two stages of both measured slower: twice the softmax's per-tile work).
+// tiles through two stages of both measured slower: twice the softmax passes per key).
 template <int D> struct PrefillShape {
     // 128 query rows and two stages of 64-key K and V tiles, 16-bit rows padded by 16 bytes.
     static constexpr int kWideBytes = (128 + 2 * 2 * 64) * (2 * D + 16);

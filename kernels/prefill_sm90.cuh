@@ -4,8 +4,9 @@
 // dtype or fp8 e4m3 (contiguous, strided or paged) at head dims 64, 128 and 256. Sliding windows
 // and soft-capping stay on kernels/prefill.cuh.
 //
-// A CTA is three warpgroups over work items of kRows = 128 query rows, one after another: the
-// grid is persistent, as many CTAs as fit, the items dealt in rounds (sm90_item_of_round).
+// A CTA is a producer warpgroup and kConsumers consumer warpgroups (two; three at D = 64) over
+// work items of kRows = 64 · kConsumers query rows, one after another: the grid is persistent, as
+// many CTAs as fit, the items dealt in rounds (sm90_item_of_round).
 //   producer (warps 0-3): warps 0-1 copy K tiles and warps 2-3 V tiles of kKeys positions into
 //     a ring of kStages stages and arrive on the tile's `full` mbarrier; they wait on its `empty`
 //     mbarrier before reusing a slot. K and V have barriers of their own, so a K slot frees as
@@ -17,13 +18,13 @@
 //     fp8 K/V: the copies land in a staging ring of their own, and each thread widens the
 //     pieces it copied to q's dtype into the swizzled ring (produce_fp8_tiles below), so the
 //     products run in q's dtype on the values the cache holds exactly.
-//   two consumers (warps 4-7, 8-11), 64 rows each, each copying its own query rows (an item's
+//   the consumers (warps 4-7, 8-11, ...), 64 rows each, each copying its own query rows (an item's
 //     next as soon as its last scores are done): S = Q · Kᵀ by wgmma with Q and K from
 //     shared memory; masking and the online softmax in registers; O += P · V by wgmma with P
 //     from registers and V from shared memory. The products of tile j's scores and of tile
 //     j - 1's values are issued together, so the softmax of tile j runs while P · V of j - 1
-//     is in flight; and the two consumers take turns issuing (two named barriers), so one's
-//     softmax overlaps the other's products.
+//     is in flight; and the consumers take turns issuing, in a ring of named barriers, so one's
+//     softmax overlaps the others' products.
 // `setmaxnreg` moves registers from the producer to the consumers.
 //
 // Shared memory: Q (kRows × D), then kStages × (K tile, V tile), each 128-byte swizzled in
@@ -60,6 +61,10 @@ template <int D, bool FP8> struct PrefillSm90Shape {
     // a warp moved (the consumers' softmax): measured faster at D = 256, where the rescale is
     // 128 multiplies a tile, and slower at 64 (the vote and the branch cost more than they save).
     static constexpr bool kLazyRescale = D > 128;
+    // Consumer warpgroups of 64 rows. At D = 64 a tile's softmax takes as long as its products,
+    // so a third consumer keeps the tensor cores fed while two exponentiate (FA3 runs 192 rows
+    // there too).
+    static constexpr int kConsumers = D <= 64 && !FP8 ? 3 : 2;
 };
 
 template <class Traits> using PrefillSm90ShapeOf = PrefillSm90Shape<Traits::kHeadDim, sizeof(typename Traits::KV) == 1>;
@@ -67,7 +72,7 @@ template <class Traits> using PrefillSm90ShapeOf = PrefillSm90Shape<Traits::kHea
 template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct PrefillSm90Tiling {
     static constexpr int kHeadDim = Traits::kHeadDim;
     static constexpr bool kFp8 = sizeof(typename Traits::KV) == 1;
-    static constexpr int kConsumers = 2;  // warpgroups of 64 rows
+    static constexpr int kConsumers = Shape::kConsumers;  // warpgroups of 64 rows
     static constexpr int kThreads = (kConsumers + 1) * 128;
     static constexpr int kRows = kConsumers * 64;
     static constexpr int kKeys = Shape::kKeys;
@@ -77,7 +82,8 @@ template <class Traits, class Shape = PrefillSm90ShapeOf<Traits>> struct Prefill
     // setmaxnreg moves registers within what the CTA got at launch (the most a thread of kThreads
     // can have, a multiple of 8), so the consumers can claim only what the producer released.
     static constexpr int kLaunchRegisters = (65536 / kThreads) / 8 * 8;
-    static constexpr int kProducerRegisters = kFp8 ? 56 : 40;  // fp8: a batch of pieces in flight
+    // fp8: a batch of pieces in flight; three consumers: the 160 registers a consumer needs.
+    static constexpr int kProducerRegisters = kFp8 ? 56 : kConsumers > 2 ? 32 : 40;
     static constexpr int kConsumerRegisters =
         (kLaunchRegisters * kThreads - kProducerRegisters * 128) / (128 * kConsumers) / 8 * 8;
     static constexpr int kQueryBytes = kRows * kHeadDim * 2;
@@ -487,18 +493,21 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     const int wg_row0 = consumer * 64;  // within the tile
     const float scale = p.scale_log2;
 
-    // The consumers take turns issuing products (two named barriers), item after item: the
-    // first turn is the first consumer's, and the first consumer absorbs the second's last
-    // hand-over after the last item.
+    // The consumers take turns issuing products, item after item, in a ring: consumer c waits on
+    // named barrier 1 + c and hands over to the next on its barrier. The first turn is the first
+    // consumer's, and the first consumer absorbs the last one's final hand-over after the last
+    // item. Barriers 1 + kConsumers + c: a consumer's own warps.
+    constexpr int C = Cfg::kConsumers;
     auto turn_begin = [&] {
         if constexpr (Cfg::kPingPong) named_barrier_sync(1 + consumer, 256);
     };
     auto turn_end = [&] {
-        if constexpr (Cfg::kPingPong) named_barrier_arrive(2 - consumer, 256);
+        if constexpr (Cfg::kPingPong) named_barrier_arrive(1 + (consumer + 1 == C ? 0 : consumer + 1), 256);
     };
     if constexpr (Cfg::kPingPong) {
-        if (consumer == 1) named_barrier_arrive(1, 256);
+        if (consumer == C - 1) named_barrier_arrive(1, 256);
     }
+    const int own_barrier = 1 + C + consumer;
 
     // This warpgroup's 64 query rows of an item (rows past the group's last are zero) into its
     // half of the Q tile, as cp.async copies of the calling thread's pieces; the caller commits.
@@ -543,12 +552,12 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
         // before (once every warp of it had issued its last scores), then visible to wgmma.
         {
             if (!q_in_flight) {
-                if (round > 0) named_barrier_sync(3 + consumer, 128);
+                if (round > 0) named_barrier_sync(own_barrier, 128);
                 copy_query_rows(w);
             }
             cp_async_wait<0>();
             fence_proxy_async();
-            named_barrier_sync(3 + consumer, 128);
+            named_barrier_sync(own_barrier, 128);
         }
         q_in_flight = false;
 
@@ -657,7 +666,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
             if (next < 0) return;
             const Sm90Item upcoming = sm90_item(p, next, q_tiles, M, N);
             if (upcoming.count == 0) return;
-            named_barrier_sync(3 + consumer, 128);
+            named_barrier_sync(own_barrier, 128);
             copy_query_rows(upcoming);
             q_in_flight = true;
         };

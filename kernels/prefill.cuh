@@ -8,11 +8,8 @@
 // Work: one CTA per (query tile, batch, kv head, split). A query tile is kRows query rows of one
 // kv head, where row r of a (batch, kv head) is query token r / group of its query head
 // kv_head * group + r % group: the rows of a GQA group sit side by side, so the CTA streams its
-// kv head's K/V once for the whole group. A (batch, kv head) pair is a stream (of K/V), and the
-// streams are dealt in sections of streams_per_section: the grid counts splits fastest, then a
-// section's streams (kv heads fastest), then its query tiles from the last, then sections. The
-// tiles that see the most keys start first, and the CTAs resident at once read the K/V of one
-// section, which the host sizes to fit in L2 (prefill_work_item).
+// kv head's K/V once for the whole group. The grid counts splits fastest, then kv heads, then
+// batches, then query tiles from the last: the tiles that see the most keys start first.
 //
 // Per CTA, K/V tiles of kKeys positions stream through a ring of kStages shared-memory stages
 // (cp.async, one block barrier per tile), or, where shared memory holds one tile of each only
@@ -67,7 +64,6 @@ struct PrefillParams {
     int kv_len;               // positions in the K/V view (paged: the longest sequence allowed)
     int query_tokens;         // t
     int num_splits;
-    int streams_per_section;  // (batch, kv head) pairs whose work items are dealt together, >= 1
     float scale_log2;         // softmax_scale * k_scale * log2(e)
     float v_scale;            // real values are stored ones × v_scale (1 for f16/bf16)
     // Read by the windowed forms only:
@@ -192,26 +188,6 @@ __device__ __forceinline__ int prefill_key_begin(int len, int token, int tokens,
     return window_left < 0 ? 0 : max(0, len - tokens + token - window_left);
 }
 
-// A work item, from its index in the grid's order (see the top of this file).
-struct PrefillWorkItem {
-    int b, kv_head, split, q_tile;
-};
-__device__ __forceinline__ PrefillWorkItem prefill_work_item(const PrefillParams& p, int index, int q_tiles) {
-    PrefillWorkItem w;
-    w.split = index % p.num_splits;
-    index /= p.num_splits;
-    const int streams = p.batch * p.kv_heads;
-    const int section = index / (p.streams_per_section * q_tiles);
-    const int first = section * p.streams_per_section;
-    const int in_section = min(p.streams_per_section, streams - first);
-    index -= first * q_tiles;
-    const int stream = first + index % in_section;
-    w.kv_head = stream % p.kv_heads;
-    w.b = stream / p.kv_heads;
-    w.q_tile = q_tiles - 1 - index / in_section;
-    return w;
-}
-
 // The page and row of position `pos` (see kernels/paged_kv.cuh).
 __device__ __forceinline__ PagedRow prefill_paged_row(const PrefillParams& p, const uint32_t* pages, int pos) {
     const unsigned n = static_cast<unsigned>(pos);
@@ -281,8 +257,13 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     const int tokens = p.query_tokens;
     const int rows_total = tokens * group;
     const int q_tiles = (rows_total + M - 1) / M;
-    const PrefillWorkItem item = prefill_work_item(p, blockIdx.x, q_tiles);
-    const int b = item.b, kv_head = item.kv_head, split = item.split, q_tile = item.q_tile;
+    int index = blockIdx.x;
+    const int split = index % p.num_splits;
+    index /= p.num_splits;
+    const int kv_head = index % p.kv_heads;
+    index /= p.kv_heads;
+    const int b = index % p.batch;
+    const int q_tile = q_tiles - 1 - index / p.batch;
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const int window = WINDOWED ? p.window_left : -1;

@@ -24,7 +24,6 @@ thread_local! {
     static DECODE_KERNEL: Cell<Option<&'static str>> = const { Cell::new(None) };
     static SMEM_PER_CTA_LIMIT: Cell<Option<usize>> = const { Cell::new(None) };
     static PERSISTENT_CTAS: Cell<Option<usize>> = const { Cell::new(None) };
-    static STREAMS_PER_SECTION: Cell<Option<usize>> = const { Cell::new(None) };
     static ROWS_SPLITS: Cell<Option<usize>> = const { Cell::new(None) };
     static QKV_APPEND_UNFUSED: Cell<bool> = const { Cell::new(false) };
     static QKV_APPEND_LAUNCHES: Cell<u64> = const { Cell::new(0) };
@@ -106,18 +105,6 @@ pub fn force_persistent_ctas(ctas: Option<usize>) {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn forced_persistent_ctas() -> Option<usize> {
     PERSISTENT_CTAS.get()
-}
-
-/// Deals this thread's prefill work items in sections of `streams` (batch, kv head) pairs
-/// (`None`: as many as keep their K/V within half of L2), so that sections, and a last one
-/// with fewer streams, are tested at shapes whose K/V all fit in one.
-pub fn force_streams_per_section(streams: Option<usize>) {
-    STREAMS_PER_SECTION.set(streams);
-}
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn forced_streams_per_section() -> Option<usize> {
-    STREAMS_PER_SECTION.get()
 }
 
 /// Runs this thread's fused projections of 2 to 16 rows with `splits` CTAs along k (a cluster

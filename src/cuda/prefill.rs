@@ -16,7 +16,7 @@ use super::launch::{device_ptr, resident_ctas, Residency};
 use super::tensor_map::{TensorMap, Tiled4d};
 use crate::op::call::{CudaKernel, DecodeCall};
 use crate::op::page_divisor::PageDivisor;
-use crate::op::plan::{self, SplitPlan, MAX_SPLITS};
+use crate::op::plan::{SplitPlan, MAX_SPLITS};
 use crate::op::validate::{RowStrides, MAX_QUERY_TOKENS};
 
 /// Rows of one decode block (the tensor-core decode forms' M dimension): the decode forms stream
@@ -173,13 +173,11 @@ fn wgmma_covers(
     Ok((major, minor) == (9, 0))
 }
 
-/// A prefill kernel loaded on a device, with how many of its CTAs the GPU holds at once and
-/// the device's L2 size.
+/// A prefill kernel loaded on a device, with how many of its CTAs the GPU holds at once.
 struct PrefillKernel {
     spec: &'static KernelSpec,
     func: CudaFunction,
     residency: Residency,
-    l2_bytes: usize,
 }
 
 impl PrefillKernel {
@@ -187,31 +185,11 @@ impl PrefillKernel {
         let func = spec.load(dev)?;
         // Also raises the kernel's dynamic shared-memory limit to what it needs.
         let residency = resident_ctas(dev, spec.symbol, &func, spec.threads, spec.smem_bytes)?;
-        let l2_bytes = dev
-            .cuda_stream()
-            .context()
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-            .w()?
-            .max(0) as usize;
         Ok(Self {
             spec,
             func,
             residency,
-            l2_bytes,
         })
-    }
-
-    /// (batch, kv head) pairs whose work items are dealt together: as many as keep their K/V
-    /// (`kv_bytes` an element) in half of L2 ([`plan::streams_per_section`]).
-    fn streams_per_section(&self, call: &DecodeCall, kv_bytes: usize) -> usize {
-        let dims = &call.dims;
-        let streams = dims.batch * dims.kv_heads;
-        #[cfg(feature = "test-hooks")]
-        if let Some(n) = crate::test_hooks::forced_streams_per_section() {
-            return n.clamp(1, streams.max(1));
-        }
-        let stream_bytes = 2 * dims.kv_len * dims.head_dim * kv_bytes;
-        plan::streams_per_section(streams, stream_bytes, self.l2_bytes)
     }
 
     /// CTAs of a launch with `items` work items: the sm_90a forms are persistent, each CTA
@@ -465,7 +443,6 @@ fn launch<T: CudaDType + DeviceRepr, KV: CudaDType + DeviceRepr>(
         kv_len: dims.kv_len as i32,
         query_tokens: dims.q_len as i32,
         num_splits: num_splits as i32,
-        streams_per_section: kernel.streams_per_section(call, kv_bytes) as i32,
         scale_log2: call.softmax_scale * call.k_scale * std::f32::consts::LOG2_E,
         v_scale: call.v_scale,
         window_left: call

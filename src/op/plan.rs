@@ -88,15 +88,6 @@ pub fn persistent_ctas(items: usize, resident: usize) -> usize {
     items.div_ceil(rounds)
 }
 
-/// (batch, kv head) pairs whose prefill work items the grid deals together
-/// (kernels/prefill.cuh): as many as keep their K/V, `stream_bytes` each, within half of an L2
-/// of `l2_bytes`, so that the CTAs resident at once re-read it from L2 rather than DRAM; at
-/// least one, at most `streams`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub fn streams_per_section(streams: usize, stream_bytes: usize, l2_bytes: usize) -> usize {
-    (l2_bytes / 2 / stream_bytes.max(1)).clamp(1, streams.max(1))
-}
-
 fn chunked(seq_len: usize, wanted_splits: usize, min_chunk: usize) -> SplitPlan {
     let chunk = seq_len.div_ceil(wanted_splits).max(min_chunk);
     let chunk_size = chunk.div_ceil(CHUNK_ALIGN) * CHUNK_ALIGN;
@@ -219,19 +210,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn sections_keep_their_streams_in_half_of_l2() {
-        const MIB: usize = 1 << 20;
-        // b 8 x 4K, 8 kv heads, d 128, bf16: 2 MiB of K/V a stream, 50 MiB of L2.
-        assert_eq!(streams_per_section(64, 2 * MIB, 50 * MIB), 12);
-        // A stream bigger than half of L2 still makes a section of its own.
-        assert_eq!(streams_per_section(8, 16 * MIB, 50 * MIB), 1);
-        assert_eq!(streams_per_section(8, 64 * MIB, 50 * MIB), 1);
-        // Small K/V: every stream in one section (the order of one stream after another).
-        assert_eq!(streams_per_section(6, 4096, 50 * MIB), 6);
-        assert_eq!(streams_per_section(0, 0, 0), 1);
     }
 
     #[test]

@@ -9,8 +9,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_splitkv::test_hooks::{
-    force_persistent_ctas, force_prefill_route, force_streams_per_section, last_attention_form,
-    PrefillRoute,
+    force_persistent_ctas, force_prefill_route, last_attention_form, PrefillRoute,
 };
 use candle_splitkv::{dequantize_e4m3, quantize_e4m3, SplitKvAttention, MAX_QUERY_TOKENS};
 
@@ -477,32 +476,6 @@ fn gpu_prefill_persistent_rounds() -> Result<()> {
         force_prefill_route(PrefillRoute::Auto);
     }
     force_persistent_ctas(None);
-    Ok(())
-}
-
-/// Work items dealt in sections of (batch, kv head) pairs, as for K/V too big to share L2: one
-/// pair a section, sections with a shorter last one, and all pairs in one; on both forms, with
-/// per-sequence lengths, splits and (sm_90a) a persistent grid of a few CTAs.
-#[test]
-fn gpu_prefill_l2_sections() -> Result<()> {
-    let Some(dev) = gpu() else { return Ok(()) };
-    let routes = routes(&dev)?;
-    let varlen = Shape {
-        lens: Some(vec![700, 0, 129]),
-        ..Shape::new(3, 150, (8, 2, 128), 700)
-    };
-    let narrow = Shape::new(3, 200, (9, 3, 64), 300);
-    for streams in [1, 4, 1000] {
-        force_streams_per_section(Some(streams));
-        for ctas in [None, Some(5)] {
-            force_persistent_ctas(ctas);
-            for shape in [&varlen, &narrow] {
-                check(&dev, shape, &routes, &[None, Some(3)])?;
-            }
-        }
-    }
-    force_persistent_ctas(None);
-    force_streams_per_section(None);
     Ok(())
 }
 

@@ -498,6 +498,7 @@ __device__ __forceinline__ void prefill_attention_sm90(const PrefillParams& p) {
     // consumer's, and the first consumer absorbs the last one's final hand-over after the last
     // item. Barriers 1 + kConsumers + c: a consumer's own warps.
     constexpr int C = Cfg::kConsumers;
+    static_assert(1 + 2 * C <= 16, "turn and own barriers fit the 16 named barriers");
     auto turn_begin = [&] {
         if constexpr (Cfg::kPingPong) named_barrier_sync(1 + consumer, 256);
     };

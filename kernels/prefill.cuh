@@ -188,6 +188,21 @@ __device__ __forceinline__ int prefill_key_begin(int len, int token, int tokens,
     return window_left < 0 ? 0 : max(0, len - tokens + token - window_left);
 }
 
+// A work item, from its index in the grid's order (see the top of this file).
+struct PrefillWorkItem {
+    int b, kv_head, split, q_tile;
+};
+__device__ __forceinline__ PrefillWorkItem prefill_work_item(const PrefillParams& p, int index, int q_tiles) {
+    PrefillWorkItem w;
+    w.split = index % p.num_splits;
+    index /= p.num_splits;
+    w.kv_head = index % p.kv_heads;
+    index /= p.kv_heads;
+    w.b = index % p.batch;
+    w.q_tile = q_tiles - 1 - index / p.batch;
+    return w;
+}
+
 // The page and row of position `pos` (see kernels/paged_kv.cuh).
 __device__ __forceinline__ PagedRow prefill_paged_row(const PrefillParams& p, const uint32_t* pages, int pos) {
     const unsigned n = static_cast<unsigned>(pos);
@@ -257,13 +272,8 @@ template <class Traits> __device__ __forceinline__ void prefill_attention(const 
     const int tokens = p.query_tokens;
     const int rows_total = tokens * group;
     const int q_tiles = (rows_total + M - 1) / M;
-    int index = blockIdx.x;
-    const int split = index % p.num_splits;
-    index /= p.num_splits;
-    const int kv_head = index % p.kv_heads;
-    index /= p.kv_heads;
-    const int b = index % p.batch;
-    const int q_tile = q_tiles - 1 - index / p.batch;
+    const PrefillWorkItem item = prefill_work_item(p, blockIdx.x, q_tiles);
+    const int b = item.b, kv_head = item.kv_head, split = item.split, q_tile = item.q_tile;
     int len = p.kv_len;
     if (p.seqlens != nullptr) len = min(len, (int)p.seqlens[b]);
     const int window = WINDOWED ? p.window_left : -1;

@@ -309,13 +309,12 @@ struct Sm90Item {
 __device__ __forceinline__ Sm90Item sm90_item(const PrefillParams& p, int index, int q_tiles, int rows, int keys) {
     const int group = p.q_heads / p.kv_heads;
     const int rows_total = p.query_tokens * group;
+    const PrefillWorkItem item = prefill_work_item(p, index, q_tiles);
     Sm90Item w;
-    w.split = index % p.num_splits;
-    index /= p.num_splits;
-    w.kv_head = index % p.kv_heads;
-    index /= p.kv_heads;
-    w.b = index % p.batch;
-    w.row0 = (q_tiles - 1 - index / p.batch) * rows;
+    w.b = item.b;
+    w.kv_head = item.kv_head;
+    w.split = item.split;
+    w.row0 = item.q_tile * rows;
     w.len = p.kv_len;
     if (p.seqlens != nullptr) w.len = min(w.len, (int)p.seqlens[w.b]);
     const int last_row = min(w.row0 + rows, rows_total) - 1;
